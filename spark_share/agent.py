@@ -1,0 +1,351 @@
+"""The executor-side agent: one long-lived process per (query run, host) that owns share consumers.
+
+Owns: the share sessions of this host, the records each (batch, slot) acquired (cached as Arrow
+IPC until acknowledged, so every re-read of a batch sees the same rows), and the commands from
+the tracker (acknowledge a batch, release, hand a cached batch to another host, shut down).
+Read tasks reach it over a Unix socket that only the owner can open, authenticated with the
+per-query secret; it reaches the tracker over TCP with the same secret.
+
+Started by the first ``read()`` on a host (``ensure_agent``), detached from the Python worker so
+that Spark recycling or killing workers does not take acquired records with it.
+
+Must never: acknowledge anything the tracker did not ask for, poll a session that still holds
+records, outlive its tracker (when the tracker connection ends it releases everything and exits).
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from . import records, wire
+
+log = logging.getLogger("spark_share.agent")
+
+SPAWN_TIMEOUT_S = 60.0
+# A new share consumer must join the group before records flow (a heartbeat interval on a real
+# broker); its first poll waits at least this long so an AvailableNow run does not end early.
+FIRST_POLL_MIN_MS = 5000
+JOIN_SETTLE_S = 1.0
+
+
+def runtime_dir() -> str:
+    """Owner-only directory for sockets, locks, logs and the query registry on this host."""
+    base = os.environ.get("SPARK_SHARE_RUNTIME_DIR") or f"/tmp/spark-share-{os.getuid()}"
+    os.makedirs(base, mode=0o700, exist_ok=True)
+    st = os.stat(base)
+    if st.st_uid != os.getuid():
+        raise PermissionError(f"{base} belongs to another user; set SPARK_SHARE_RUNTIME_DIR to a private directory")
+    if st.st_mode & 0o077:
+        os.chmod(base, 0o700)
+    return base
+
+
+def agent_socket_path(tracker_id: str) -> str:
+    return os.path.join(runtime_dir(), f"agent-{tracker_id}.sock")
+
+
+# ---------------------------------------------------------------------------------------------
+# Read-task side: find or start this host's agent.
+
+def ensure_agent(tracker_addr: Tuple[str, int], tracker_id: str, secret: str, timeout: float = 10.0) -> wire.RpcConnection:
+    """Connect to this host's agent for the tracker, starting it if it is not running."""
+    path = agent_socket_path(tracker_id)
+    try:
+        return wire.connect(path, secret, timeout=timeout, name="task")
+    except (FileNotFoundError, ConnectionRefusedError):
+        pass
+    lock_path = os.path.join(runtime_dir(), f"agent-{tracker_id}.lock")
+    fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # one spawner per host; released if this worker dies
+        try:
+            return wire.connect(path, secret, timeout=timeout, name="task")
+        except (FileNotFoundError, ConnectionRefusedError):
+            pass
+        if os.path.exists(path):
+            os.unlink(path)  # left by an agent that was killed
+        _spawn_agent(tracker_addr, tracker_id, secret)
+        return wire.connect(path, secret, timeout=timeout, name="task")
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def _spawn_agent(tracker_addr, tracker_id: str, secret: str) -> None:
+    log_path = os.path.join(runtime_dir(), f"agent-{tracker_id}.log")
+    env = dict(os.environ)
+    # The worker may import this package from a path Spark added (--py-files, a zip); so must the agent.
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([pkg_parent] + [p for p in sys.path if p and os.path.exists(p)])
+    with open(log_path, "ab") as logf:
+        os.chmod(log_path, 0o600)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "spark_share.agent"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf,
+            close_fds=True, start_new_session=True, cwd=runtime_dir(), env=env)
+    # Parameters travel on stdin, never on the command line (visible to every user in ps).
+    proc.stdin.write(json.dumps({"tracker": list(tracker_addr), "tracker_id": tracker_id,
+                                 "secret": secret}).encode() + b"\n")
+    proc.stdin.close()
+    proc.wait(SPAWN_TIMEOUT_S)  # the intermediate process exits once the agent has forked away
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    line = b""
+    fd = proc.stdout.fileno()
+    while not line.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise TimeoutError(f"the spark-share agent did not start within {SPAWN_TIMEOUT_S:.0f} s; see {log_path}")
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        line += chunk
+    proc.stdout.close()
+    if not line.startswith(b"READY"):
+        raise RuntimeError(f"the spark-share agent failed to start: {line.decode(errors='replace').strip() or 'no output'}; see {log_path}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The agent process.
+
+@dataclass
+class Cached:
+    batch: int
+    slot: int
+    session: Optional[object]  # ShareSession that holds the records; None when the poll was empty
+    ipc: bytes
+    rows: int
+
+
+class Agent:
+    def __init__(self, tracker_addr, tracker_id: str, secret: str):
+        self.tracker_id = tracker_id
+        self.agent_id = f"{socket.gethostname()}:{os.getpid()}"
+        self._secret = secret
+        self._lock = threading.Lock()
+        self._sessions: List = []
+        self._reserved: set = set()
+        self._cache: Dict[Tuple[int, int], Cached] = {}
+        self._inflight: Dict[Tuple[int, int], threading.Event] = {}
+        self._session_seq = 0
+        self.done = threading.Event()
+        self.tracker = wire.connect(tuple(tracker_addr), secret, handler=self._on_tracker_request,
+                                    on_close=lambda _c: self._tracker_lost(), name="agent-tracker")
+        hello, _ = self.tracker.call({"op": "hello", "agent_id": self.agent_id, "host": socket.gethostname(),
+                                      "pid": os.getpid()}, timeout=30)
+        self.config = hello
+        secrets_ = hello.get("secret_values", [])
+        from .options import scrub
+        self._scrub = lambda s: scrub(s, secrets_)
+        self._start_sessions(int(hello.get("slots", 1)))
+        self.server = wire.RpcServer(agent_socket_path(tracker_id), secret, self._on_task_request, name="agent")
+
+    def _start_sessions(self, n: int) -> None:
+        """Join the group with every session a batch needs before any of them acquires records.
+
+        A member joining later makes the group rebalance; the embedded broker ends the other
+        members' share sessions then and hands their acquired records out again (duplicates)."""
+        from .session import ShareSession
+
+        for _ in range(n):
+            with self._lock:
+                self._session_seq += 1
+                sid = f"{os.getpid()}-{self._session_seq}"
+            self._sessions.append(ShareSession(sid, dict(self.config["consumer_config"]), self.config["topics"],
+                                               self.config["include_headers"], scrub=self._scrub))
+        time.sleep(JOIN_SETTLE_S)
+        log.info("agent %s: %d share sessions joined group %s", self.agent_id, n,
+                 self.config["consumer_config"].get("group.id"))
+
+    # read tasks ----------------------------------------------------------------------------
+    def _on_task_request(self, conn, req: dict, blob: bytes):
+        op = req.get("op")
+        if op == "read":
+            return self._read(int(req["batch"]), int(req["slot"]), req.get("max_records"),
+                              int(req.get("poll_timeout_ms", 1000)), req.get("query_id"))
+        if op == "ping":
+            return {"agent_id": self.agent_id, "sessions": len(self._sessions)}, b""
+        raise ValueError(f"unknown request {op!r}")
+
+    def _read(self, batch: int, slot: int, max_records, poll_timeout_ms: int, query_id):
+        key = (batch, slot)
+        while True:
+            with self._lock:
+                hit = self._cache.get(key)
+                if hit is not None:
+                    return {"rows": hit.rows, "cached": True}, hit.ipc
+                ev = self._inflight.get(key)
+                if ev is None:
+                    ev = self._inflight[key] = threading.Event()
+                    break
+            ev.wait()  # another task of this (batch, slot) is polling: share its result
+            with self._lock:
+                if key in self._cache:
+                    continue
+            # the other poll failed; try ourselves
+        try:
+            claim, _ = self.tracker.call({"op": "claim", "batch": batch, "slot": slot, "query_id": query_id}, timeout=60)
+            if claim["owner"] != self.agent_id:
+                # Another host acquired this (batch, slot): relay its cached rows through the tracker.
+                rep, ipc = self.tracker.call({"op": "fetch", "batch": batch, "slot": slot}, timeout=120)
+                return {"rows": rep.get("rows", 0), "cached": True, "relayed": True}, ipc
+            session = self._take_session(claim)
+            try:
+                budget = poll_timeout_ms if session.polls else max(poll_timeout_ms, FIRST_POLL_MIN_MS)
+                rb, holding = session.poll(batch, slot, max_records, budget).result()
+            except BaseException:
+                self._give_back(session)
+                raise
+            ipc = records.to_ipc(rb)
+            acquired = holding.acquired if rb.num_rows else {}
+            entry = Cached(batch, slot, session if rb.num_rows else None, ipc, rb.num_rows)
+            if not rb.num_rows:
+                self._give_back(session)
+            with self._lock:
+                self._cache[key] = entry
+            # Synchronous: the tracker knows what this batch holds before any row reaches Spark.
+            self.tracker.call({"op": "acquired", "batch": batch, "slot": slot, "session": session.session_id,
+                               "rows": rb.num_rows, "acquired_at": holding.acquired_at,
+                               "offsets": {t: {str(p): [min(o), max(o), len(o)] for p, o in parts.items()}
+                                           for t, parts in acquired.items()}}, timeout=60)
+            return {"rows": rb.num_rows, "cached": False}, ipc
+        finally:
+            with self._lock:
+                ev = self._inflight.pop(key, None)
+            if ev is not None:
+                ev.set()
+
+    def _take_session(self, claim: dict):
+        from .session import ShareSession
+
+        with self._lock:
+            for s in self._sessions:
+                if s not in self._reserved and not s.busy:
+                    self._reserved.add(s)
+                    return s
+            self._session_seq += 1
+            sid = f"{os.getpid()}-{self._session_seq}"
+        conf = dict(self.config["consumer_config"])
+        s = ShareSession(sid, conf, self.config["topics"], self.config["include_headers"], scrub=self._scrub)
+        with self._lock:
+            self._sessions.append(s)
+            self._reserved.add(s)
+        log.info("agent %s: started share session %s", self.agent_id, sid)
+        return s
+
+    def _give_back(self, session) -> None:
+        with self._lock:
+            self._reserved.discard(session)
+
+    # tracker commands -----------------------------------------------------------------------
+    def _on_tracker_request(self, conn, req: dict, blob: bytes):
+        op = req.get("op")
+        if op == "ack":
+            return self._ack(int(req["batch"]), req.get("verdicts") or [], int(req.get("default", 1)),
+                             float(req.get("timeout_s", 30))), b""
+        if op == "fetch":
+            with self._lock:
+                hit = self._cache.get((int(req["batch"]), int(req["slot"])))
+            if hit is None:
+                raise KeyError(f"batch {req['batch']} slot {req['slot']} is not cached here")
+            return {"rows": hit.rows}, hit.ipc
+        if op == "shutdown":
+            threading.Thread(target=self.shutdown, name="agent-shutdown", daemon=True).start()
+            return {"ok": True}, b""
+        if op == "ping":
+            return {"agent_id": self.agent_id}, b""
+        raise ValueError(f"unknown command {op!r}")
+
+    def _ack(self, batch: int, verdicts: list, default: int, timeout_s: float) -> dict:
+        """Acknowledge every slot of ``batch`` held here: ``default`` unless a verdict says otherwise."""
+        from .session import ACCEPT
+
+        vmap = {(t, int(p), int(o)): int(k) for t, p, o, k in verdicts}
+        with self._lock:
+            entries = [e for (b, _), e in self._cache.items() if b == batch]
+        futs = {}
+        for e in entries:
+            if e.session is None:
+                continue
+            if default == ACCEPT:
+                futs[e.slot] = e.session.acknowledge(vmap, timeout_s)
+            else:
+                futs[e.slot] = e.session.release_all(timeout_s)
+        wait_futures(list(futs.values()), timeout=timeout_s + 5)
+        out = {}
+        for slot, f in futs.items():
+            try:
+                out[str(slot)] = f.result(timeout=0).as_dict()
+            except Exception as ex:
+                out[str(slot)] = {"failed": -1, "errors": {type(ex).__name__: 1}}
+        with self._lock:
+            for e in entries:
+                self._cache.pop((e.batch, e.slot), None)
+                if e.session is not None:
+                    self._reserved.discard(e.session)
+        return {"slots": out}
+
+    # lifecycle ------------------------------------------------------------------------------
+    def _tracker_lost(self) -> None:
+        if not self.done.is_set():
+            log.warning("agent %s: tracker connection ended; releasing all records and exiting", self.agent_id)
+            self.shutdown()
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self.done.is_set():
+                return
+            sessions = list(self._sessions)
+            self._sessions.clear()
+        try:
+            self.server.close()
+        except Exception:
+            pass
+        # close() releases whatever a session still holds, at once.
+        futs = [s.close() for s in sessions]
+        wait_futures(futs, timeout=30)
+        self.tracker.close()
+        self.done.set()
+
+
+def main() -> None:
+    params = json.loads(sys.stdin.readline())
+    # Detach: the intermediate process exits, the agent is re-parented and survives the worker.
+    if os.fork() > 0:
+        os._exit(0)
+    os.setsid()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    try:
+        agent = Agent(params["tracker"], params["tracker_id"], params["secret"])
+    except Exception as e:
+        log.exception("agent failed to start")
+        sys.stdout.write(f"ERROR {type(e).__name__}: {e}\n")
+        sys.stdout.flush()
+        os._exit(1)
+    sys.stdout.write(f"READY {agent.agent_id}\n")
+    sys.stdout.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    agent.done.wait()
+    try:  # no spawner can want this run's lock any more: its tracker is gone
+        os.unlink(os.path.join(runtime_dir(), f"agent-{params['tracker_id']}.lock"))
+    except OSError:
+        pass
+    log.info("agent %s: exiting", agent.agent_id)
+    logging.shutdown()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""The streaming reader of ``format("kafka-share")``: Spark's calls, mapped onto the tracker and agents.
+
+Owns: the offset format (``{"v": 1, "batch": N}``: the id of the last planned batch, nothing else,
+so offsets never carry an address or a secret), the driver-side calls (latestOffset acknowledges
+the batch Spark has just committed, then decides whether a new one is worth running), the input
+partitions, and ``read()``, which asks this host's agent for a (batch, slot) and yields Arrow.
+
+Must never: hold a Kafka consumer in ``read()`` (Python workers come and go), create sockets,
+threads or clients before a driver-only method runs (the reader is pickled to executors), or
+return from ``latestOffset`` with a new batch while the previous one's acknowledgements are unsent.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Iterator, Optional
+
+from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
+from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows, SupportsTriggerAvailableNow
+
+from .options import ShareSourceOptions
+
+log = logging.getLogger("spark_share.reader")
+
+OFFSET_VERSION = 1
+READ_TIMEOUT_S = 600.0
+
+
+def _batch_of(offset: dict) -> int:
+    if not isinstance(offset, dict) or offset.get("v") != OFFSET_VERSION or "batch" not in offset:
+        raise ValueError(f"unrecognised kafka-share offset {offset!r}: this checkpoint was written by another "
+                         "source or version; start the query with a new checkpointLocation")
+    return int(offset["batch"])
+
+
+def _offset(batch: int) -> dict:
+    return {"v": OFFSET_VERSION, "batch": batch}
+
+
+class SharePartition(InputPartition):
+    """One Spark task = one share consumer's single poll for one batch."""
+
+    def __init__(self, tracker_host: str, tracker_port: int, tracker_id: str, secret: str, batch: int,
+                 slot: int, max_records: Optional[int], poll_timeout_ms: int):
+        super().__init__(None)
+        self.tracker_host = tracker_host
+        self.tracker_port = tracker_port
+        self.tracker_id = tracker_id
+        self.secret = secret
+        self.batch = batch
+        self.slot = slot
+        self.max_records = max_records
+        self.poll_timeout_ms = poll_timeout_ms
+
+    def __repr__(self) -> str:  # the secret stays out of plans, logs and UIs
+        return f"SharePartition(batch={self.batch}, slot={self.slot}, max_records={self.max_records})"
+
+    __str__ = __repr__
+
+
+def _configure_logging() -> None:
+    root = logging.getLogger("spark_share")
+    if not root.handlers:
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(h)
+        root.setLevel(logging.INFO)
+        root.propagate = False
+
+
+class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    def __init__(self, opts: ShareSourceOptions):
+        self.opts = opts
+        self._tracker = None
+
+    # driver side (the runner process) ------------------------------------------------------
+    def _t(self):
+        if self._tracker is None:
+            from .tracker import Tracker
+
+            _configure_logging()
+            self._tracker = Tracker(self.opts)
+            if threading.current_thread() is threading.main_thread() and _in_source_runner():
+                # The JVM ends the runner with SIGTERM on stop and failure; turn that into stop().
+                signal.signal(signal.SIGTERM, _raise_system_exit)
+        return self._tracker
+
+    def initialOffset(self) -> dict:
+        self._t()  # fail fast on an unreachable broker or a missing topic
+        return _offset(-1)
+
+    def getDefaultReadLimit(self):
+        n = self.opts.max_records_per_trigger
+        return ReadMaxRows(n) if n else ReadAllAvailable()
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self._t().prepare_available_now()
+
+    def latestOffset(self, start: dict, limit=None) -> dict:
+        t = self._t()
+        last = _batch_of(start)
+        # Spark calls latestOffset(start) only once the batch ending at start is in the commit log.
+        t.batch_committed(last)
+        if not t.should_run(last):
+            return start
+        t.plan(last + 1, limit.max_rows if isinstance(limit, ReadMaxRows) else None)
+        return _offset(last + 1)
+
+    def reportLatestOffset(self):
+        return self._tracker.progress() if self._tracker is not None else None
+
+    def partitions(self, start: dict, end: dict):
+        t = self._t()
+        first, last = _batch_of(start), _batch_of(end)
+        if last <= first:
+            return []
+        b = t.batches.get(last) or t.plan(last, self.opts.max_records_per_trigger)
+        host, port = t.address
+        return [SharePartition(host, port, t.tracker_id, t.secret, last, slot, budget, self.opts.poll_timeout_ms)
+                for slot, budget in enumerate(t.slot_budgets(b))]
+
+    def commit(self, end: dict) -> None:
+        # One batch late and never for the last batch: only a backstop for latestOffset.
+        if self._tracker is not None:
+            self._tracker.batch_committed(_batch_of(end))
+
+    def stop(self) -> None:
+        if self._tracker is not None:
+            t, self._tracker = self._tracker, None
+            t.shutdown()
+
+    # executor side ---------------------------------------------------------------------------
+    def read(self, partition: SharePartition) -> Iterator:
+        from pyspark import TaskContext
+
+        from . import agent, records
+
+        ctx = TaskContext.get()
+        query_id = ctx.getLocalProperty("sql.streaming.queryId") if ctx else None
+        conn = agent.ensure_agent((partition.tracker_host, partition.tracker_port), partition.tracker_id,
+                                  partition.secret)
+        try:
+            _, blob = conn.call({"op": "read", "batch": partition.batch, "slot": partition.slot,
+                                 "max_records": partition.max_records,
+                                 "poll_timeout_ms": partition.poll_timeout_ms, "query_id": query_id},
+                                timeout=READ_TIMEOUT_S + partition.poll_timeout_ms / 1000.0)
+        finally:
+            conn.close()
+        yield from records.from_ipc(blob)
+
+
+def _raise_system_exit(signum, frame):
+    # Later SIGTERMs must not interrupt stop() while it releases records.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise SystemExit(128 + signum)
+
+
+def _in_source_runner() -> bool:
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    name = getattr(spec, "name", "") or ""
+    return name.endswith("python_streaming_source_runner") or os.environ.get("SPARK_SHARE_FORCE_SIGTERM") == "1"

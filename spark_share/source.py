@@ -1,0 +1,37 @@
+"""The ``kafka-share`` data source: name, schema, options; hands out the stream reader.
+
+Must never: open a connection or start a thread (instances are created and pickled in
+short-lived Python workers).
+"""
+from __future__ import annotations
+
+from pyspark.sql.datasource import DataSource
+
+from .options import parse_options
+from .records import spark_schema
+
+
+class KafkaShareDataSource(DataSource):
+    """``spark.readStream.format("kafka-share")``: Kafka share groups (KIP-932) as a stream."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "kafka-share"
+
+    def __init__(self, options):
+        super().__init__(options)
+        self.share_options = parse_options(dict(options))
+
+    def schema(self) -> str:
+        return spark_schema(self.share_options.include_headers)
+
+    def streamReader(self, schema):
+        from .reader import ShareStreamReader
+
+        return ShareStreamReader(self.share_options)
+
+    def __getstate__(self):
+        # Spark pickles the source; the raw options hold secrets, the parsed ones are enough.
+        state = dict(self.__dict__)
+        state["options"] = {}
+        return state

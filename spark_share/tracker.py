@@ -1,0 +1,454 @@
+"""The driver-side tracker: which batch holds what, and when it gets acknowledged.
+
+Lives in the reader's runner process (``python_streaming_source_runner``), started lazily by
+the reader. Owns: the per-query secret, the TCP server agents and the user's process connect
+to, the claims of (batch, slot) by agents, each batch's acquired offsets, verdicts and
+acknowledgement outcomes, the high watermarks that tell whether a new batch is worth running,
+and the registry file through which the user's process (foreachBatch, the listener) finds it.
+
+Must never: acknowledge a batch before Spark has committed it (only ``batch_committed`` starts an
+ACCEPT, and it is called from ``latestOffset`` or the commit listener), talk to Kafka on the
+``latestOffset`` path (the metadata thread keeps watermarks in memory), or write a secret to
+a log, an offset or a progress report.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from . import wire
+from .agent import runtime_dir
+from .options import ShareSourceOptions, scrub
+from .session import ACCEPT, RELEASE, REJECT, AckOutcome
+
+log = logging.getLogger("spark_share.tracker")
+
+
+class SourceError(RuntimeError):
+    """A problem with the source's setup that the user must fix (topic, broker, options)."""
+
+
+@dataclass
+class BatchState:
+    batch: int
+    slots: int
+    max_records: Optional[int]
+    planned_at: float = field(default_factory=time.time)
+    claims: Dict[int, str] = field(default_factory=dict)         # slot -> agent id
+    acquired: Dict[int, dict] = field(default_factory=dict)      # slot -> {session, rows, offsets, acquired_at}
+    verdicts: Dict[Tuple[str, int, int], int] = field(default_factory=dict)
+    state: str = "planned"                                       # planned -> acking -> acked | released
+    committed_at: Optional[float] = None
+    acked_at: Optional[float] = None
+    outcome: AckOutcome = field(default_factory=AckOutcome)
+    min_offsets: Dict[Tuple[str, int], int] = field(default_factory=dict)
+
+    @property
+    def rows(self) -> int:
+        return sum(a.get("rows", 0) for a in self.acquired.values())
+
+    def summary(self) -> dict:
+        d = {"batch": self.batch, "acquired": self.rows, "state": self.state}
+        d.update({k: v for k, v in self.outcome.as_dict().items() if k != "errors"})
+        if self.outcome.errors:
+            d["errors"] = dict(self.outcome.errors)
+        if self.committed_at and self.acked_at:
+            d["ackLatencyMs"] = round((self.acked_at - self.committed_at) * 1000, 1)
+        return d
+
+
+class MetadataWatcher:
+    """A plain Kafka client kept alive for the whole run (the embedded broker drops every share
+    session when any client disconnects) that refreshes high watermarks in the background."""
+
+    def __init__(self, opts: ShareSourceOptions, timeout_s: float = 30.0):
+        from confluent_kafka import Consumer, KafkaException
+
+        self._opts = opts
+        self._secrets = opts.secret_values()
+        try:
+            self.client = Consumer(opts.metadata_config())
+        except (KafkaException, ValueError, TypeError) as e:
+            raise SourceError(scrub(f"invalid Kafka client configuration: {e}", self._secrets)) from None
+        try:
+            md = self.client.list_topics(timeout=timeout_s)
+        except KafkaException as e:
+            self.client.close()
+            raise SourceError(
+                f"could not reach the Kafka cluster at kafka.bootstrap.servers={opts.bootstrap_servers!r} "
+                f"within {timeout_s:.0f} s ({scrub(str(e.args[0]) if e.args else str(e), self._secrets)}); "
+                "check the address, the network and the security settings") from None
+        missing = [t for t in opts.topics if t not in md.topics or md.topics[t].error is not None]
+        if missing:
+            self.client.close()
+            raise SourceError(f"topic(s) {missing} do not exist on {opts.bootstrap_servers!r}; create them first "
+                              f"(existing topics: {sorted(t for t in md.topics if not t.startswith('__'))[:20]})")
+        self.partitions: List[Tuple[str, int]] = sorted(
+            (t, p) for t in opts.topics for p in md.topics[t].partitions)
+        self.high: Dict[Tuple[str, int], int] = {}
+        self.version = 0
+        self._stop = threading.Event()
+        self.refresh()
+        self._thread = threading.Thread(target=self._loop, name="spark-share-watermarks", daemon=True)
+        self._thread.start()
+
+    def refresh(self) -> None:
+        from confluent_kafka import TopicPartition
+
+        changed = False
+        for t, p in self.partitions:
+            try:
+                _, high = self.client.get_watermark_offsets(TopicPartition(t, p), timeout=5, cached=False)
+            except Exception:
+                continue
+            if self.high.get((t, p)) != high:
+                self.high[(t, p)] = high
+                changed = True
+        if changed:
+            self.version += 1
+
+    def _loop(self) -> None:
+        interval = max(0.2, 0.01 * len(self.partitions))
+        while not self._stop.wait(interval):
+            self.refresh()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        try:
+            self.client.close()
+        except Exception:
+            pass
+
+
+def _bind_host() -> str:
+    """Loopback unless Spark says executors are elsewhere (set SPARK_SHARE_BIND_HOST to override)."""
+    explicit = os.environ.get("SPARK_SHARE_BIND_HOST")
+    if explicit:
+        return explicit
+    master = os.environ.get("MASTER") or os.environ.get("SPARK_MASTER") or ""
+    if master and not master.startswith("local"):
+        return os.environ.get("SPARK_LOCAL_IP") or socket.gethostbyname(socket.gethostname())
+    return "127.0.0.1"
+
+
+class Tracker:
+    def __init__(self, opts: ShareSourceOptions):
+        self.opts = opts
+        self.tracker_id = uuid.uuid4().hex[:16]
+        self.secret = wire.new_secret()
+        self._secrets = opts.secret_values()
+        self._lock = threading.RLock()
+        self.batches: Dict[int, BatchState] = {}
+        self.agents: Dict[str, wire.RpcConnection] = {}
+        self.query_id: Optional[str] = None
+        self._registry_path: Optional[str] = None
+        self.metadata = MetadataWatcher(opts)
+        self.num_slots = opts.num_partitions or max(1, len(self.metadata.partitions))
+        self.server = wire.RpcServer((_bind_host(), 0), self.secret, self._handle, name="tracker",
+                                     on_close=self._conn_closed)
+        self.address = self.server.address
+        self.last_plan_time = 0.0
+        self.last_plan_hw_version = -1
+        self.planned_any = False
+        self.available_now_target: Optional[Dict[Tuple[str, int], int]] = None
+        self.totals = AckOutcome()
+        self.total_acquired = 0
+        self._closed = False
+        log.info("spark-share tracker %s for group %r, topics %s (%d partitions), %d slots, listening on %s:%d",
+                 self.tracker_id, opts.group_id, list(opts.topics), len(self.metadata.partitions),
+                 self.num_slots, *self.address)
+
+    # requests from agents and the user's process ----------------------------------------
+    def _handle(self, conn: wire.RpcConnection, req: dict, blob: bytes):
+        op = req.get("op")
+        if op == "hello":
+            return self._hello(conn, req), b""
+        if op == "claim":
+            return self._claim(conn, req), b""
+        if op == "acquired":
+            return self._acquired(conn, req), b""
+        if op == "fetch":
+            return self._relay(req)
+        if op == "committed":
+            self.batch_committed(int(req["batch"]), wait=True)
+            return {"ok": True}, b""
+        if op == "verdicts":
+            return self._verdicts(req), b""
+        if op == "status":
+            return self.status(), b""
+        raise ValueError(f"unknown request {op!r}")
+
+    def _hello(self, conn: wire.RpcConnection, req: dict) -> dict:
+        agent_id = str(req["agent_id"])
+        with self._lock:
+            self.agents[agent_id] = conn
+        conn.info["agent_id"] = agent_id
+        log.info("agent %s joined (pid %s on %s)", agent_id, req.get("pid"), req.get("host"))
+        return {"consumer_config": self.opts.consumer_config(self._session_max_records()),
+                "topics": list(self.opts.topics), "include_headers": self.opts.include_headers,
+                "slots": self.slots_for(self.opts.max_records_per_trigger),
+                "secret_values": self._secrets}
+
+    def _session_max_records(self) -> Optional[int]:
+        limit = self.opts.max_records_per_trigger
+        if limit is None:
+            return None
+        return max(1, limit // self.slots_for(limit))
+
+    def slots_for(self, limit: Optional[int]) -> int:
+        return self.num_slots if limit is None else max(1, min(self.num_slots, limit))
+
+    def _claim(self, conn: wire.RpcConnection, req: dict) -> dict:
+        batch, slot = int(req["batch"]), int(req["slot"])
+        agent_id = self._agent_of(conn)
+        qid = req.get("query_id")
+        if qid and self.query_id is None:
+            self._register_query(qid)
+        with self._lock:
+            b = self.batches.get(batch)
+            if b is None:  # a replayed batch planned by an earlier run; plan it now
+                b = self.batches[batch] = BatchState(batch, self.num_slots, None)
+            if b.state != "planned":
+                raise RuntimeError(f"batch {batch} is already {b.state}; it cannot be read again")
+            owner = b.claims.get(slot)
+            if owner is None or owner not in self.agents:
+                if owner is not None:
+                    log.warning("batch %d slot %d: agent %s is gone; %s polls it again (the records it held "
+                                "are released by the broker)", batch, slot, owner, agent_id)
+                    b.acquired.pop(slot, None)
+                b.claims[slot] = owner = agent_id
+        return {"owner": owner}
+
+    @staticmethod
+    def _agent_of(conn: wire.RpcConnection) -> str:
+        if "agent_id" in conn.info:
+            return conn.info["agent_id"]
+        raise RuntimeError("request from a connection that did not say hello")
+
+    def _acquired(self, conn: wire.RpcConnection, req: dict) -> dict:
+        batch, slot = int(req["batch"]), int(req["slot"])
+        with self._lock:
+            b = self.batches[batch]
+            b.acquired[slot] = {"agent": self._agent_of(conn), "session": req.get("session"),
+                                "rows": int(req.get("rows", 0)), "acquired_at": req.get("acquired_at"),
+                                "offsets": req.get("offsets", {})}
+            for t, parts in (req.get("offsets") or {}).items():
+                for p, (lo, _hi, _n) in parts.items():
+                    k = (t, int(p))
+                    b.min_offsets[k] = min(lo, b.min_offsets.get(k, lo))
+            self.total_acquired += int(req.get("rows", 0))
+        return {"ok": True}
+
+    def _relay(self, req: dict):
+        batch, slot = int(req["batch"]), int(req["slot"])
+        with self._lock:
+            owner = self.batches[batch].claims.get(slot)
+            conn = self.agents.get(owner) if owner else None
+        if conn is None:
+            raise RuntimeError(f"batch {batch} slot {slot} is held by no live agent")
+        return conn.call({"op": "fetch", "batch": batch, "slot": slot}, timeout=120)
+
+    def _verdicts(self, req: dict) -> dict:
+        batch = int(req["batch"])
+        kind = {"reject": REJECT, "release": RELEASE}[req["kind"]]
+        with self._lock:
+            b = self.batches.get(batch)
+            if b is None or b.state != "planned":
+                raise RuntimeError(f"batch {batch} is not running in this query (state: {b.state if b else 'unknown'})")
+            conflicts = 0
+            for t, p, o in req["records"]:
+                key = (t, int(p), int(o))
+                prev = b.verdicts.get(key)
+                if prev is not None and prev != kind:
+                    conflicts += 1
+                b.verdicts[key] = kind
+        return {"ok": True, "conflicts": conflicts}
+
+    def _conn_closed(self, conn: wire.RpcConnection) -> None:
+        agent_id = conn.info.get("agent_id")
+        if agent_id:
+            with self._lock:
+                if self.agents.get(agent_id) is conn:
+                    del self.agents[agent_id]
+            if not self._closed:
+                log.warning("agent %s disconnected; records it held go back to the share group", agent_id)
+
+    def _register_query(self, query_id: str) -> None:
+        """Write host/port/secret where the user's process on this host (foreachBatch) finds it."""
+        self.query_id = query_id
+        path = os.path.join(runtime_dir(), f"query-{query_id}.json")
+        fd = os.open(path + ".tmp", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"host": self.address[0], "port": self.address[1], "secret": self.secret,
+                       "tracker_id": self.tracker_id, "pid": os.getpid()}, f)
+        os.replace(path + ".tmp", path)
+        self._registry_path = path
+
+    # planning -----------------------------------------------------------------------------
+    def prepare_available_now(self) -> None:
+        self.metadata.refresh()
+        self.available_now_target = dict(self.metadata.high)
+
+    def should_run(self, last_batch: int) -> bool:
+        """Is a batch after ``last_batch`` worth running? Answers from memory."""
+        with self._lock:
+            last = self.batches.get(last_batch)
+            if self.available_now_target is not None:
+                if not self.planned_any:
+                    return True
+                if last is None or last.rows == 0:
+                    return False
+                # Stop once a batch brought only records produced after the run started.
+                target = self.available_now_target
+                return any(lo < target.get(tp, 0) for tp, lo in last.min_offsets.items())
+            if not self.planned_any:
+                return True
+            if last is not None and (last.rows or last.outcome.released or last.outcome.failed
+                                     or last.outcome.expired):
+                return True
+            if self.metadata.version != self.last_plan_hw_version:
+                return True
+            return time.monotonic() - self.last_plan_time >= self.opts.idle_probe_ms / 1000.0
+
+    def plan(self, batch: int, max_records: Optional[int]) -> BatchState:
+        with self._lock:
+            b = self.batches.get(batch)
+            if b is None:
+                b = self.batches[batch] = BatchState(batch, self.slots_for(max_records), max_records)
+            self.planned_any = True
+            self.last_plan_time = time.monotonic()
+            self.last_plan_hw_version = self.metadata.version
+            return b
+
+    def slot_budgets(self, b: BatchState) -> List[Optional[int]]:
+        if b.max_records is None:
+            return [None] * b.slots
+        return [max(1, b.max_records // b.slots)] * b.slots
+
+    # acknowledgements ---------------------------------------------------------------------
+    def batch_committed(self, upto: int, wait: bool = True) -> None:
+        """Spark has committed every batch <= ``upto``: acknowledge them (ACCEPT unless a verdict
+        says otherwise), through the agents that acquired the records."""
+        with self._lock:
+            todo = [b for n, b in sorted(self.batches.items()) if n <= upto and b.state == "planned"]
+            for b in todo:
+                b.state = "acking"
+                b.committed_at = time.time()
+        for b in todo:
+            self._acknowledge(b, ACCEPT)
+        if wait:
+            self._wait_acked(upto)
+
+    def _wait_acked(self, upto: int) -> None:
+        deadline = time.monotonic() + self.opts.ack_timeout_ms / 1000.0 + 5
+        while time.monotonic() < deadline:
+            with self._lock:
+                if all(b.state != "acking" for n, b in self.batches.items() if n <= upto):
+                    return
+            time.sleep(0.005)
+
+    def _acknowledge(self, b: BatchState, default: int) -> None:
+        with self._lock:
+            holders = {a["agent"] for a in b.acquired.values() if a.get("rows")}
+            conns = {a: self.agents.get(a) for a in holders}
+            verdicts = [[t, p, o, k] for (t, p, o), k in b.verdicts.items()]
+        timeout_s = self.opts.ack_timeout_ms / 1000.0
+        futs = {}
+        for agent_id, conn in conns.items():
+            if conn is None:
+                n = sum(a["rows"] for a in b.acquired.values() if a["agent"] == agent_id)
+                b.outcome.failed += n
+                b.outcome.errors["AGENT_LOST"] = b.outcome.errors.get("AGENT_LOST", 0) + n
+                continue
+            futs[agent_id] = conn.call_async({"op": "ack", "batch": b.batch, "verdicts": verdicts,
+                                              "default": default, "timeout_s": timeout_s})
+        wait_futures(list(futs.values()), timeout=timeout_s + 10)
+        for agent_id, f in futs.items():
+            try:
+                rep, _ = f.result(timeout=0)
+                for slot_out in rep["slots"].values():
+                    b.outcome.add(AckOutcome.from_dict(slot_out))
+            except Exception as e:
+                n = sum(a["rows"] for a in b.acquired.values() if a["agent"] == agent_id)
+                b.outcome.failed += n
+                name = type(e).__name__
+                b.outcome.errors[name] = b.outcome.errors.get(name, 0) + n
+        with self._lock:
+            b.acked_at = time.time()
+            b.state = "acked" if default == ACCEPT else "released"
+            self.totals.add(b.outcome)
+        self._log_batch(b)
+
+    def _log_batch(self, b: BatchState) -> None:
+        o = b.outcome
+        lat = f", ack latency {1000 * (b.acked_at - b.committed_at):.0f} ms" if b.committed_at else ""
+        log.info("spark-share batch %d (group %s): acquired %d, accepted %d, released %d, rejected %d, "
+                 "expired %d, failed %d%s%s", b.batch, self.opts.group_id, b.rows, o.accepted, o.released,
+                 o.rejected, o.expired, o.failed, lat, f", errors {o.errors}" if o.errors else "")
+        if o.expired:
+            log.warning("spark-share batch %d: %d records' locks expired before the batch committed; they are "
+                        "delivered again. Raise the group's share.record.lock.duration.ms or lower "
+                        "maxRecordsPerTrigger so batches finish within the lock", b.batch, o.expired)
+
+    # progress -----------------------------------------------------------------------------
+    def progress(self) -> dict:
+        with self._lock:
+            planned = max(self.batches) if self.batches else None
+            inflight = sum(b.rows for b in self.batches.values() if b.state in ("planned", "acking"))
+            done = [b for b in self.batches.values() if b.state in ("acked", "released")]
+            last = max(done, key=lambda b: b.batch).summary() if done else None
+            t = self.totals
+        return {"v": 1, "batch": planned, "inflightRecords": inflight, "agents": len(self.agents),
+                "acquired": self.total_acquired, "accepted": t.accepted, "released": t.released,
+                "rejected": t.rejected, "expired": t.expired, "failed": t.failed,
+                "lastAcked": last}
+
+    def status(self) -> dict:
+        out = self.progress()
+        with self._lock:
+            out["batches"] = [b.summary() for _, b in sorted(self.batches.items())[-20:]]
+            out["sessions"] = sorted({a.get("session") for b in self.batches.values() for a in b.acquired.values()
+                                      if a.get("session")})
+        return out
+
+    # shutdown -----------------------------------------------------------------------------
+    def shutdown(self, committed_upto: Optional[int] = None) -> None:
+        """ACCEPT what is known committed, RELEASE every other held batch, stop agents, close."""
+        if self._closed:
+            return
+        if committed_upto is not None:
+            self.batch_committed(committed_upto, wait=True)
+        with self._lock:
+            pending = [b for _, b in sorted(self.batches.items()) if b.state == "planned"]
+            for b in pending:
+                b.state = "acking"
+        for b in pending:
+            self._acknowledge(b, RELEASE)
+        self._closed = True
+        with self._lock:
+            conns = list(self.agents.values())
+        for c in conns:
+            try:
+                c.call({"op": "shutdown"}, timeout=10)
+            except Exception:
+                pass
+        for c in conns:
+            c.wait_closed(30)
+        self.server.close()
+        self.metadata.close()
+        if self._registry_path:
+            try:
+                os.unlink(self._registry_path)
+            except OSError:
+                pass
+        log.info("spark-share tracker %s stopped: %s", self.tracker_id, json.dumps(self.progress()))
+

@@ -1,0 +1,51 @@
+import pyarrow as pa
+
+from spark_share import records
+
+
+class Msg:
+    def __init__(self, topic, partition, offset, key, value, ts=(1, 1_700_000_000_123), count=1, headers=None, err=None):
+        self._t, self._p, self._o, self._k, self._v, self._ts, self._c, self._h, self._e = (
+            topic, partition, offset, key, value, ts, count, headers, err)
+
+    def topic(self): return self._t
+    def partition(self): return self._p
+    def offset(self): return self._o
+    def key(self): return self._k
+    def value(self): return self._v
+    def timestamp(self): return self._ts
+    def delivery_count(self): return self._c
+    def headers(self): return self._h
+    def error(self): return self._e
+
+
+def test_schema_matches_spark_and_rows_convert():
+    msgs = [Msg("t", 0, 5, b"k", b"v", count=2), Msg("t", 1, 7, None, None, ts=(0, -1)), Msg("u", 0, 1, b"", b"x" * (1 << 20))]
+    rb, acquired, errors = records.to_record_batch(msgs, include_headers=False)
+    assert rb.schema == records.ARROW_SCHEMA and errors == []
+    rows = rb.to_pylist()
+    assert rows[0]["key"] == b"k" and rows[0]["deliveryCount"] == 2 and rows[0]["timestampType"] == 0
+    assert rows[0]["timestamp"].timestamp() == 1_700_000_000.123
+    assert rows[1]["key"] is None and rows[1]["value"] is None and rows[1]["timestamp"] is None
+    assert rows[1]["timestampType"] == -1
+    assert len(rows[2]["value"]) == 1 << 20 and rows[2]["key"] == b""
+    assert acquired == {"t": {0: [5], 1: [7]}, "u": {0: [1]}}
+
+
+def test_headers_and_errors():
+    hs = [("h%d" % i, b"v%d" % i) for i in range(50)] + [("nullvalue", None)]
+    msgs = [Msg("t", 0, 1, b"k", b"v", headers=hs), Msg("t", 0, 2, b"k", b"v", headers=None),
+            Msg("t", 0, 3, None, None, err="boom")]
+    rb, acquired, errors = records.to_record_batch(msgs, include_headers=True)
+    assert rb.schema == records.ARROW_SCHEMA_HEADERS
+    rows = rb.to_pylist()
+    assert len(rows) == 2 and len(rows[0]["headers"]) == 51 and rows[0]["headers"][3] == {"key": "h3", "value": b"v3"}
+    assert rows[0]["headers"][50] == {"key": "nullvalue", "value": None} and rows[1]["headers"] == []
+    assert acquired == {"t": {0: [1, 2]}} and errors == [("t", 0, 3, "boom")]
+
+
+def test_ipc_round_trip_including_empty():
+    rb, _, _ = records.to_record_batch([Msg("t", 0, 1, b"k", b"v")], False)
+    assert records.from_ipc(records.to_ipc(rb))[0].equals(rb)
+    empty, _, _ = records.to_record_batch([], False)
+    assert sum(b.num_rows for b in records.from_ipc(records.to_ipc(empty))) == 0

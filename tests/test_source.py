@@ -1,0 +1,412 @@
+"""The kafka-share source end to end: a local Spark session against the embedded broker.
+
+Each test here would fail on the toy design (a consumer in read(), ACCEPT at task end)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+
+import pyarrow as pa
+import pytest
+from pyspark.sql import functions as F
+
+import spark_share
+from spark_share import wire
+from spark_share.agent import agent_socket_path, runtime_dir
+from support import (BatchCollector, Workload, agent_processes, check_no_loss, drain_share_group, ids_of, kill,
+                     python_workers, read_stream, registry, wait_until)
+
+
+def uid(prefix):
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(autouse=True)
+def _register(spark):
+    spark_share.register(spark)
+
+
+def test_available_now_drains_acknowledges_and_ends(spark, kafka, tmp_path):
+    w = Workload(kafka, "orders", partitions=2)
+    w.produce(600)
+    group = uid("g")
+    out, ck = str(tmp_path / "out"), str(tmp_path / "ck")
+    df = read_stream(spark, kafka, group, "orders")
+    q = (df.writeStream.format("parquet").option("path", out).option("checkpointLocation", ck)
+         .trigger(availableNow=True).start())
+    assert q.awaitTermination(120), "AvailableNow did not end by itself"
+    assert q.exception() is None
+    rows = spark.read.parquet(out).collect()
+    report = check_no_loss(w.ids, ids_of(rows))
+    assert report.duplicates == 0
+    assert {r["deliveryCount"] for r in rows} == {1}
+    # The acks were sent before the run ended: the group hands nothing out any more, even though a
+    # consumer that never acknowledged would have had its records released when the run stopped.
+    assert drain_share_group(kafka.bootstrap_servers, group, ["orders"], timeout=3) == []
+    # Per-batch acknowledgement counts show in the progress of the source.
+    progress = [p for p in q.recentProgress if p["sources"][0]["latestOffset"]]
+    latest = json.loads(progress[-1]["sources"][0]["latestOffset"]) if isinstance(
+        progress[-1]["sources"][0]["latestOffset"], str) else progress[-1]["sources"][0]["latestOffset"]
+    assert latest["accepted"] == 600 and latest["acquired"] == 600 and latest["failed"] == 0
+    # The offsets are small, versioned and carry neither address nor secret.
+    offsets = open(os.path.join(ck, "offsets", "0")).read()
+    assert '{"v": 1, "batch": 0}' in offsets.replace('"v":1,"batch":0', '"v": 1, "batch": 0')
+    wait_until(lambda: not agent_processes(), timeout=30, message="an agent outlived its query")
+
+    # A second run over the empty queue ends quickly with no rows.
+    t0 = time.monotonic()
+    q2 = (read_stream(spark, kafka, group, "orders").writeStream.format("parquet").option("path", out)
+          .option("checkpointLocation", ck).trigger(availableNow=True).start())
+    assert q2.awaitTermination(60)
+    assert q2.exception() is None
+    assert time.monotonic() - t0 < 40
+    assert spark.read.parquet(out).count() == 600
+
+
+def test_crash_after_sink_write_redelivers_the_batch(spark, kafka, tmp_path):
+    """Invariant 1: nothing is ACCEPTed before the batch is in the commit log."""
+    w = Workload(kafka, "payments", partitions=2)
+    w.produce(300)
+    group, ck = uid("g"), str(tmp_path / "ck")
+    out = str(tmp_path / "out")
+
+    def write_then_crash(df, batch_id):
+        df.write.mode("append").parquet(out)
+        raise RuntimeError("crash after the sink wrote, before the commit")
+
+    q = (read_stream(spark, kafka, group, "payments").writeStream.foreachBatch(write_then_crash)
+         .option("checkpointLocation", ck).start())
+    with pytest.raises(Exception, match="crash after the sink wrote"):
+        q.awaitTermination(120)
+    first = spark.read.parquet(out).collect()
+    assert len(first) > 0 and {r["deliveryCount"] for r in first} == {1}
+    assert not os.path.exists(os.path.join(ck, "commits", "0"))
+
+    # Restart from the checkpoint: batch 0 is replayed and every record of it comes back.
+    collector = BatchCollector()
+    q = (read_stream(spark, kafka, group, "payments").writeStream.foreachBatch(collector)
+         .option("checkpointLocation", ck).trigger(availableNow=True).start())
+    assert q.awaitTermination(120)
+    assert q.exception() is None
+    redelivered = {json.loads(bytes(r["value"]))["id"]: r["deliveryCount"] for r in collector.rows}
+    for r in first:
+        i = json.loads(bytes(r["value"]))["id"]
+        assert redelivered.get(i) == 2, f"record {i} of the failed batch did not come back with deliveryCount 2"
+    check_no_loss(w.ids, collector.ids)
+
+
+def test_two_actions_and_a_task_retry_see_the_same_rows(spark, kafka, tmp_path):
+    """Invariant 3: re-reads of a batch return the rows first acquired; nothing extra is acquired."""
+    w = Workload(kafka, "events", partitions=2)
+    w.produce(400)
+    seen_dir = tmp_path / "attempts"
+    seen_dir.mkdir()
+
+    def fail_first_attempt(batches):
+        from pyspark import TaskContext
+        ctx = TaskContext.get()
+        offsets = []
+        out = []
+        for b in batches:
+            offsets += list(zip(b.column("partition").to_pylist(), b.column("offset").to_pylist()))
+            out.append(b)
+        path = seen_dir / f"p{ctx.partitionId()}-a{ctx.attemptNumber()}-{uuid.uuid4().hex[:6]}.json"
+        path.write_text(json.dumps(offsets))
+        if ctx.attemptNumber() == 0 and offsets:
+            # The first attempt of each data-carrying task fails once per action.
+            raise RuntimeError("injected task failure downstream of the read")
+        yield from out
+
+    counts = {}
+
+    def two_actions(df, batch_id):
+        n = df.count()
+        rows = df.collect()
+        counts[batch_id] = (n, len(rows), len({(r["partition"], r["offset"]) for r in rows}))
+
+    df = read_stream(spark, kafka, uid("g"), "events")
+    df = df.mapInArrow(fail_first_attempt, df.schema)
+    q = (df.writeStream.foreachBatch(two_actions).option("checkpointLocation", str(tmp_path / "ck"))
+         .trigger(availableNow=True).start())
+    assert q.awaitTermination(120)
+    assert q.exception() is None
+    assert counts and all(n == m == d for n, m, d in counts.values()), counts
+    assert sum(n for n, _, _ in counts.values()) == 400
+    # Every attempt at a slot of the data batch (2 actions x failed attempt + retry) saw the same rows.
+    slots_with_data = 0
+    for slot in (0, 1):
+        first = [sorted(map(tuple, json.loads(p.read_text()))) for p in seen_dir.glob(f"p{slot}-a0-*.json")]
+        retry = [sorted(map(tuple, json.loads(p.read_text()))) for p in seen_dir.glob(f"p{slot}-a1-*.json")]
+        first = [f for f in first if f]
+        if not first:
+            continue
+        slots_with_data += 1
+        assert len(first) == 2 and len(retry) == 2, "the injected failures and their retries did not all happen"
+        assert first[0] == first[1] == retry[0] == retry[1]
+    assert slots_with_data >= 1
+    progress = q.recentProgress[-1]["sources"][0]["latestOffset"]
+    progress = json.loads(progress) if isinstance(progress, str) else progress
+    assert progress["acquired"] == 400, "re-reads acquired extra records"
+
+
+def test_consumers_outlive_killed_python_workers(spark, kafka, tmp_path):
+    """Invariant 4: killing the Python workers that ran read() loses no consumer and no record."""
+    w = Workload(kafka, "clicks", partitions=2)
+    w.produce(300)
+    killed = []
+    agents = []
+
+    def kill_workers_between_actions(df, batch_id):
+        first = sorted((r["partition"], r["offset"]) for r in df.collect())
+        agents.append({p.pid for p in agent_processes()})
+        killed.append(kill(python_workers()))
+        second = sorted((r["partition"], r["offset"]) for r in df.collect())
+        assert first == second
+        agents.append({p.pid for p in agent_processes()})
+        collector(df, batch_id)
+
+    collector = BatchCollector()
+    q = (read_stream(spark, kafka, uid("g"), "clicks").writeStream.foreachBatch(kill_workers_between_actions)
+         .option("checkpointLocation", str(tmp_path / "ck")).trigger(availableNow=True).start())
+    assert q.awaitTermination(120)
+    assert q.exception() is None
+    assert sum(killed) > 0, "no Python worker was killed"
+    assert agents[0] and agents[0] == agents[1], "the agent holding the records did not survive"
+    report = check_no_loss(w.ids, collector.ids)
+    assert report.duplicates == 0
+
+
+def test_stop_mid_batch_releases_at_once_and_leaves_nothing_running(spark, kafka, tmp_path):
+    """Invariant 5: q.stop() in the middle of a batch RELEASEs its records; no agent stays behind.
+    Then a restart from the checkpoint (replaying the uncommitted batch) delivers everything."""
+    kafka.set_record_lock_duration(60_000)  # only a release, not lock expiry, can hand them out in time
+    w = Workload(kafka, "jobs", partitions=2)
+    w.produce(200)
+    group, ck, out = uid("g"), str(tmp_path / "ck"), str(tmp_path / "out")
+    started = threading.Event()
+
+    @F.udf("long")
+    def slow(offset):
+        time.sleep(0.05)
+        return offset
+
+    df = read_stream(spark, kafka, group, "jobs")
+    q = (df.withColumn("o2", slow("offset")).writeStream.format("parquet").option("path", out)
+         .option("checkpointLocation", ck).start())
+    wait_until(lambda: q.isActive and spark_share.status(q)["inflightRecords"] > 0
+               if registry(q.id) else False, timeout=60, message="the batch never started")
+    tracker_id = registry(q.id)["tracker_id"]
+    assert agent_processes(tracker_id)
+    held = spark_share.status(q)["inflightRecords"]
+    t0 = time.monotonic()
+    q.stop()
+    wait_until(lambda: not agent_processes(tracker_id), timeout=30, message="agent left running after stop")
+    # Another member of the group gets the records well before the 60 s lock would expire. (It must
+    # join after the query's consumers left: the embedded broker gives a partition to one member.)
+    got = drain_share_group(kafka.bootstrap_servers, group, ["jobs"], timeout=20, until=200,
+                            ack=__import__("confluent_kafka").AcknowledgeType.RELEASE)
+    assert len({(t, p, o) for t, p, o, _, _ in got}) >= held, f"only {len(got)} of {held} records released in time"
+    assert time.monotonic() - t0 < 40
+    assert registry(q.id) is None
+    assert not os.path.exists(agent_socket_path(tracker_id))
+
+    # Restart: replays the uncommitted batch and then drains the rest.
+    kafka.set_record_lock_duration(30_000)
+    q = (read_stream(spark, kafka, group, "jobs").writeStream.format("parquet").option("path", out)
+         .option("checkpointLocation", ck).trigger(availableNow=True).start())
+    assert q.awaitTermination(120)
+    assert q.exception() is None
+    check_no_loss(w.ids, ids_of(spark.read.parquet(out).collect()),
+                  duplicates_reason="rows the stopped batch wrote before the stop")
+
+
+def test_idle_is_cheap_and_latest_offset_answers_from_memory(spark, kafka, tmp_path):
+    """Invariant 5/7: no records for 10 s -> at most a couple of batches; latestOffset costs no broker call."""
+    kafka.create_topic("quiet", 2)
+    collector = BatchCollector()
+    q = (read_stream(spark, kafka, uid("g"), "quiet").writeStream.foreachBatch(collector)
+         .option("checkpointLocation", str(tmp_path / "ck")).start())
+    try:
+        wait_until(lambda: q.lastProgress is not None, timeout=60, message="query never made progress")
+        t0 = time.monotonic()
+        first = q.lastProgress["batchId"]
+        # Bounded wait of 10 s of idleness, watching the batch counter the whole time.
+        batches = set()
+        while time.monotonic() - t0 < 10:
+            if q.lastProgress:
+                batches.add(q.lastProgress["batchId"])
+            time.sleep(0.2)
+        assert max(batches) - first <= 2, f"{max(batches) - first} batches ran in 10 idle seconds"
+        assert collector.rows == []
+        # Then records arrive and are picked up promptly (watermarks moved).
+        w = Workload(kafka, "quiet", partitions=2, create=False)
+        w.produce(50)
+        wait_until(lambda: len(collector.rows) >= 50, timeout=30, message="new records not picked up")
+    finally:
+        q.stop()
+
+
+def test_latest_offset_makes_no_broker_call(kafka):
+    from spark_share.options import parse_options
+    from spark_share.reader import ShareStreamReader
+
+    kafka.create_topic("t", 2)
+    reader = ShareStreamReader(parse_options({"kafka.bootstrap.servers": kafka.bootstrap_servers,
+                                              "kafka.group.id": "g", "subscribe": "t"}))
+    start = reader.initialOffset()
+    t = reader._t()
+    calls = []
+    real = t.metadata.client
+
+    class Counting:
+        def __getattr__(self, name):
+            attr = getattr(real, name)
+            if callable(attr):
+                def wrapped(*a, **kw):
+                    calls.append((name, threading.current_thread().name))
+                    return attr(*a, **kw)
+                return wrapped
+            return attr
+
+    try:
+        t.metadata.client = Counting()
+        end = reader.latestOffset(start, None)  # the first batch always runs (records may be waiting)
+        t.batch_committed(0)
+        for _ in range(800):  # ten seconds' worth of default-trigger calls
+            assert reader.latestOffset(end, None) == end
+            reader.reportLatestOffset()
+        assert [c for c in calls if c[1] == threading.current_thread().name] == []
+    finally:
+        t.metadata.client = real
+        reader.stop()
+
+
+def test_sockets_refuse_peers_without_the_secret(spark, kafka, tmp_path):
+    w = Workload(kafka, "secure", partitions=1)
+    w.produce(20)
+    checks = {}
+
+    def probe(df, batch_id):
+        if df.count() == 0:
+            return
+        qid = df.sparkSession.sparkContext.getLocalProperty("sql.streaming.queryId")
+        reg = registry(qid)
+        checks["tracker_host"] = reg["host"]
+        checks["registry_mode"] = os.stat(os.path.join(runtime_dir(), f"query-{qid}.json")).st_mode & 0o777
+        checks["dir_mode"] = os.stat(runtime_dir()).st_mode & 0o777
+        for secret in ("", "not-the-secret"):
+            try:
+                wire.connect((reg["host"], reg["port"]), secret, timeout=5)
+                checks[f"tracker:{secret}"] = "accepted"
+            except wire.AuthError:
+                checks[f"tracker:{secret}"] = "refused"
+        sock = agent_socket_path(reg["tracker_id"])
+        checks["agent_sock_mode"] = os.stat(sock).st_mode & 0o777
+        try:
+            wire.connect(sock, "not-the-secret", timeout=5)
+            checks["agent"] = "accepted"
+        except wire.AuthError:
+            checks["agent"] = "refused"
+        ok = wire.connect((reg["host"], reg["port"]), reg["secret"], timeout=5)
+        checks["status"] = ok.call({"op": "status"}, timeout=10)[0]
+        ok.close()
+
+    q = (read_stream(spark, kafka, uid("g"), "secure").writeStream.foreachBatch(probe)
+         .option("checkpointLocation", str(tmp_path / "ck")).trigger(availableNow=True).start())
+    assert q.awaitTermination(120)
+    assert q.exception() is None
+    assert checks["tracker_host"] == "127.0.0.1"
+    assert checks["tracker:"] == checks["tracker:not-the-secret"] == checks["agent"] == "refused"
+    assert checks["registry_mode"] == checks["agent_sock_mode"] == 0o600 and checks["dir_mode"] == 0o700
+    assert checks["status"]["inflightRecords"] == 20
+
+
+def test_two_queries_two_groups_side_by_side(spark, kafka, tmp_path):
+    wa, wb = Workload(kafka, "ta", partitions=2), Workload(kafka, "tb", partitions=1)
+    wa.produce(300)
+    wb.produce(200, value_fn=lambda i: json.dumps({"id": 10_000 + i}).encode())
+    ca, cb = BatchCollector(), BatchCollector()
+    qa = (read_stream(spark, kafka, uid("ga"), "ta").writeStream.foreachBatch(ca)
+          .option("checkpointLocation", str(tmp_path / "cka")).start())
+    qb = (read_stream(spark, kafka, uid("gb"), "tb").writeStream.foreachBatch(cb)
+          .option("checkpointLocation", str(tmp_path / "ckb")).start())
+    try:
+        wait_until(lambda: len(ca.rows) >= 300 and len(cb.rows) >= 200, timeout=90, message="queries did not drain")
+        ta, tb = registry(qa.id)["tracker_id"], registry(qb.id)["tracker_id"]
+        assert ta != tb and agent_processes(ta) and agent_processes(tb)
+        assert {r["topic"] for r in ca.rows} == {"ta"} and {r["topic"] for r in cb.rows} == {"tb"}
+        check_no_loss(wa.ids, ca.ids)
+        check_no_loss([10_000 + i for i in wb.ids], cb.ids)
+        wait_until(lambda: spark_share.status(qa)["inflightRecords"] == 0
+                   and spark_share.status(qb)["inflightRecords"] == 0, timeout=30, message="acks pending")
+        sa, sb = spark_share.status(qa), spark_share.status(qb)
+        assert sa["accepted"] == 300 and sb["accepted"] == 200
+    finally:
+        qa.stop()
+        qb.stop()
+
+
+def test_max_records_per_trigger_is_honoured(spark, kafka, tmp_path):
+    w = Workload(kafka, "capped", partitions=2)
+    w.produce(250)
+    collector = BatchCollector()
+    q = (read_stream(spark, kafka, uid("g"), "capped", maxRecordsPerTrigger=100).writeStream
+         .foreachBatch(collector).option("checkpointLocation", str(tmp_path / "ck"))
+         .trigger(availableNow=True).start())
+    assert q.awaitTermination(120)
+    assert q.exception() is None
+    sizes = {b: len(rows) for b, rows in collector.batches.items()}
+    assert max(sizes.values()) <= 100 and sum(sizes.values()) == 250, sizes
+    assert {r["deliveryCount"] for r in collector.rows} == {1}, "excess records were released and redelivered"
+    check_no_loss(w.ids, collector.ids)
+
+
+def test_headers_null_keys_and_large_values(spark, kafka, tmp_path):
+    from confluent_kafka import Producer
+
+    kafka.create_topic("odd", 1)
+    p = Producer({"bootstrap.servers": kafka.bootstrap_servers, "message.max.bytes": 2_000_000})
+    p.produce("odd", key=None, value=None)
+    p.produce("odd", key=b"", value=b"")
+    p.produce("odd", key=b"big", value=b"x" * ((1 << 20) - 1024))  # the broker's limit is 1 MiB per batch
+    p.produce("odd", key=b"h", value=b"v", headers=[(f"h{i}", f"v{i}".encode()) for i in range(40)])
+    p.flush(30)
+    collector = BatchCollector()
+    q = (read_stream(spark, kafka, uid("g"), "odd", includeHeaders="true").writeStream.foreachBatch(collector)
+         .option("checkpointLocation", str(tmp_path / "ck")).trigger(availableNow=True).start())
+    assert q.awaitTermination(120)
+    assert q.exception() is None
+    rows = sorted(collector.rows, key=lambda r: r["offset"])
+    assert [r["offset"] for r in rows] == [0, 1, 2, 3]
+    assert rows[0]["key"] is None and rows[0]["value"] is None
+    assert bytes(rows[1]["key"]) == b"" and bytes(rows[1]["value"]) == b""
+    assert len(rows[2]["value"]) == (1 << 20) - 1024
+    assert len(rows[3]["headers"]) == 40 and rows[3]["headers"][7]["key"] == "h7"
+    assert bytes(rows[3]["headers"][7]["value"]) == b"v7"
+
+
+def test_bad_setup_fails_fast_with_a_clear_error(spark, kafka, tmp_path):
+    kafka.create_topic("exists", 1)
+    q = (read_stream(spark, kafka, uid("g"), "exists,missing-topic").writeStream.format("noop")
+         .option("checkpointLocation", str(tmp_path / "ck1")).start())
+    with pytest.raises(Exception, match="missing-topic"):
+        q.awaitTermination(60)
+    # An unreachable broker is an error naming it, never a hang.
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    dead = f"127.0.0.1:{s.getsockname()[1]}"
+    s.close()
+    df = (spark.readStream.format("kafka-share").option("kafka.bootstrap.servers", dead)
+          .option("kafka.group.id", "g").option("subscribe", "t").load())
+    t0 = time.monotonic()
+    q = df.writeStream.format("noop").option("checkpointLocation", str(tmp_path / "ck2")).start()
+    with pytest.raises(Exception, match=dead.replace(".", r"\.")):
+        q.awaitTermination(90)
+    assert time.monotonic() - t0 < 60
+    with pytest.raises(Exception, match="subscribePattern"):
+        (spark.readStream.format("kafka-share").option("kafka.bootstrap.servers", dead)
+         .option("kafka.group.id", "g").option("subscribePattern", "t.*").load())
