@@ -123,8 +123,21 @@ class Cached:
     batch: int
     slot: int
     session: Optional[object]  # ShareSession that holds the records; None when the poll was empty
-    ipc: bytes
+    ipc: bytes                 # what read tasks get
     rows: int
+    full: Optional[object] = None  # every record acquired, headers included: the dead-letter source
+    query_id: Optional[str] = None
+
+
+def _ranges(offsets: List[int]) -> List[List[int]]:
+    """Sorted offsets as [first, last] runs: compact, and exact."""
+    out: List[List[int]] = []
+    for o in sorted(offsets):
+        if out and o == out[-1][1] + 1:
+            out[-1][1] = o
+        else:
+            out.append([o, o])
+    return out
 
 
 class Agent:
@@ -144,6 +157,9 @@ class Agent:
         hello, _ = self.tracker.call({"op": "hello", "agent_id": self.agent_id, "host": socket.gethostname(),
                                       "pid": os.getpid()}, timeout=30)
         self.config = hello
+        # The dead-letter topic gets the original headers even when the query does not read them.
+        self._keep_headers = bool(hello["include_headers"] or hello.get("dead_letter_topic"))
+        self._deadletters = None
         secrets_ = hello.get("secret_values", [])
         from .options import scrub
         self._scrub = lambda s: scrub(s, secrets_)
@@ -162,7 +178,7 @@ class Agent:
                 self._session_seq += 1
                 sid = f"{os.getpid()}-{self._session_seq}"
             self._sessions.append(ShareSession(sid, dict(self.config["consumer_config"]), self.config["topics"],
-                                               self.config["include_headers"], scrub=self._scrub))
+                                               self._keep_headers, scrub=self._scrub))
         time.sleep(JOIN_SETTLE_S)
         log.info("agent %s: %d share sessions joined group %s", self.agent_id, n,
                  self.config["consumer_config"].get("group.id"))
@@ -206,24 +222,44 @@ class Agent:
             except BaseException:
                 self._give_back(session)
                 raise
-            ipc = records.to_ipc(rb)
             acquired = holding.acquired if rb.num_rows else {}
-            entry = Cached(batch, slot, session if rb.num_rows else None, ipc, rb.num_rows)
+            out, poison = self._visible(rb)
+            ipc = records.to_ipc(out)
+            entry = Cached(batch, slot, session if rb.num_rows else None, ipc, out.num_rows,
+                          full=rb if self.config.get("dead_letter") else None, query_id=query_id)
             if not rb.num_rows:
                 self._give_back(session)
             with self._lock:
                 self._cache[key] = entry
             # Synchronous: the tracker knows what this batch holds before any row reaches Spark.
             self.tracker.call({"op": "acquired", "batch": batch, "slot": slot, "session": session.session_id,
-                               "rows": rb.num_rows, "acquired_at": holding.acquired_at,
-                               "offsets": {t: {str(p): [min(o), max(o), len(o)] for p, o in parts.items()}
+                               "rows": rb.num_rows, "acquired_at": holding.acquired_at, "poison": poison,
+                               "offsets": {t: {str(p): _ranges(o) for p, o in parts.items()}
                                            for t, parts in acquired.items()}}, timeout=60)
-            return {"rows": rb.num_rows, "cached": False}, ipc
+            return {"rows": out.num_rows, "cached": False}, ipc
         finally:
             with self._lock:
                 ev = self._inflight.pop(key, None)
             if ev is not None:
                 ev.set()
+
+    def _visible(self, rb):
+        """What Spark sees of a poll: without records past maxDeliveryCount (reported as poison,
+        rejected to the dead-letter target at commit) and without headers unless asked for."""
+        poison = []
+        limit = self.config.get("max_delivery_count")
+        if limit and rb.num_rows:
+            import pyarrow.compute as pc
+
+            bad = pc.greater_equal(rb.column("deliveryCount"), limit)
+            if pc.any(bad).as_py():
+                hit = rb.filter(bad)
+                poison = [[t, p, o, c] for t, p, o, c in zip(*(hit.column(n).to_pylist() for n in
+                                                               ("topic", "partition", "offset", "deliveryCount")))]
+                rb = rb.filter(pc.invert(bad))
+        if not self.config["include_headers"] and "headers" in rb.schema.names:
+            rb = rb.drop_columns(["headers"])
+        return rb, poison
 
     def _take_session(self, claim: dict):
         from .session import ShareSession
@@ -236,7 +272,7 @@ class Agent:
             self._session_seq += 1
             sid = f"{os.getpid()}-{self._session_seq}"
         conf = dict(self.config["consumer_config"])
-        s = ShareSession(sid, conf, self.config["topics"], self.config["include_headers"], scrub=self._scrub)
+        s = ShareSession(sid, conf, self.config["topics"], self._keep_headers, scrub=self._scrub)
         with self._lock:
             self._sessions.append(s)
             self._reserved.add(s)
@@ -253,6 +289,8 @@ class Agent:
         if op == "ack":
             return self._ack(int(req["batch"]), req.get("verdicts") or [], int(req.get("default", 1)),
                              float(req.get("timeout_s", 30))), b""
+        if op == "deadletter":
+            return self._dead_letter(int(req["batch"]), req["records"]), b""
         if op == "fetch":
             with self._lock:
                 hit = self._cache.get((int(req["batch"]), int(req["slot"])))
@@ -266,11 +304,28 @@ class Agent:
             return {"agent_id": self.agent_id}, b""
         raise ValueError(f"unknown command {op!r}")
 
+    def _dead_letter(self, batch: int, wanted: list) -> dict:
+        """Write the rejected records of ``batch`` held here to the dead-letter target."""
+        from .deadletter import DeadLetterWriter, rejected_table
+
+        want = {(t, int(p), int(o)): reason for t, p, o, reason in wanted}
+        with self._lock:
+            entries = [e for (b, _), e in self._cache.items() if b == batch and e.full is not None]
+            if self._deadletters is None:
+                self._deadletters = DeadLetterWriter(self.config.get("dead_letter_topic"),
+                                                     self.config.get("dead_letter_path"),
+                                                     self.config.get("producer_config", {}))
+        written = 0
+        for e in entries:
+            table = rejected_table(e.full, want, e.query_id, batch)
+            written += self._deadletters.write(table, batch, f"{self.tracker_id}-slot{e.slot}")
+        return {"written": written}
+
     def _ack(self, batch: int, verdicts: list, default: int, timeout_s: float) -> dict:
         """Acknowledge every slot of ``batch`` held here: ``default`` unless a verdict says otherwise."""
         from .session import ACCEPT
 
-        vmap = {(t, int(p), int(o)): int(k) for t, p, o, k in verdicts}
+        vmap = {(t, int(p), int(o)): int(k) for t, p, o, k, *_ in verdicts}
         with self._lock:
             entries = [e for (b, _), e in self._cache.items() if b == batch]
         futs = {}
@@ -314,6 +369,8 @@ class Agent:
         # close() releases whatever a session still holds, at once.
         futs = [s.close() for s in sessions]
         wait_futures(futs, timeout=30)
+        if self._deadletters is not None:
+            self._deadletters.close()
         self.tracker.close()
         self.done.set()
 

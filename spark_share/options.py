@@ -31,6 +31,9 @@ SOURCE_OPTIONS: Dict[str, Tuple[Optional[str], str]] = {
     "pollTimeoutMs": (str(DEFAULT_POLL_TIMEOUT_MS), "how long a read task waits for its first records"),
     "ackTimeoutMs": (str(DEFAULT_ACK_TIMEOUT_MS), "how long the driver side waits for acknowledgements to be confirmed"),
     "idleProbeIntervalMs": (str(DEFAULT_IDLE_PROBE_MS), "with no sign of new records, how often a (cheap) probe batch runs"),
+    "deadLetterTopic": (None, "Kafka topic (same cluster) where rejected records are written before their REJECT"),
+    "deadLetterPath": (None, "Parquet table path where rejected records are written before their REJECT"),
+    "maxDeliveryCount": (None, "records delivered this many times are rejected to the dead-letter target before reaching your code"),
 }
 
 # Spark Kafka source options that mean nothing for a share group, with what to do instead.
@@ -123,6 +126,9 @@ class ShareSourceOptions:
     poll_timeout_ms: int = DEFAULT_POLL_TIMEOUT_MS
     ack_timeout_ms: int = DEFAULT_ACK_TIMEOUT_MS
     idle_probe_ms: int = DEFAULT_IDLE_PROBE_MS
+    dead_letter_topic: Optional[str] = None
+    dead_letter_path: Optional[str] = None
+    max_delivery_count: Optional[int] = None
     # kafka.* options other than bootstrap servers and group id, prefix removed.
     kafka: Dict[str, str] = field(default_factory=dict)
 
@@ -133,6 +139,18 @@ class ShareSourceOptions:
             conf["max.poll.records"] = str(min(int(conf["max.poll.records"]), max_poll_records))
         conf.update({"bootstrap.servers": self.bootstrap_servers, "group.id": self.group_id,
                      "share.acknowledgement.mode": "explicit"})
+        return conf
+
+    @property
+    def dead_letter(self) -> bool:
+        return bool(self.dead_letter_topic or self.dead_letter_path)
+
+    def producer_config(self) -> Dict[str, str]:
+        """Config for the dead-letter producer: connection and security settings only."""
+        consumer_only = ("max.poll.records", "share.", "fetch.", "group.", "max.partition.fetch.bytes",
+                         "client.rack", "check.crcs", "max.poll.interval.ms", "queued.")
+        conf = {k: v for k, v in self.kafka.items() if not k.startswith(consumer_only)}
+        conf["bootstrap.servers"] = self.bootstrap_servers
         return conf
 
     def metadata_config(self) -> Dict[str, str]:
@@ -199,6 +217,17 @@ def parse_options(options: Mapping[str, str]) -> ShareSourceOptions:
     if dups:
         raise OptionError(f"option 'subscribe' lists {dups} more than once")
 
+    dlt = given.get("deadLetterTopic", "").strip() or None
+    dlp = given.get("deadLetterPath", "").strip() or None
+    if dlt and dlp:
+        raise OptionError("options 'deadLetterTopic' and 'deadLetterPath' conflict: choose one dead-letter target")
+    if dlt and dlt in topics:
+        raise OptionError(f"option 'deadLetterTopic' = {dlt!r} is also subscribed: rejected records would come back")
+    mdc = given.get("maxDeliveryCount")
+    max_delivery = _int("maxDeliveryCount", mdc, 1, 1000) if mdc is not None else None
+    if max_delivery is not None and not (dlt or dlp):
+        raise OptionError("option 'maxDeliveryCount' needs a dead-letter target ('deadLetterTopic' or 'deadLetterPath') "
+                          "so the records it rejects can be found")
     num = given.get("numPartitions")
     mrt = given.get("maxRecordsPerTrigger")
     if "max.poll.records" in kafka:
@@ -213,5 +242,8 @@ def parse_options(options: Mapping[str, str]) -> ShareSourceOptions:
         poll_timeout_ms=_int("pollTimeoutMs", given.get("pollTimeoutMs", DEFAULT_POLL_TIMEOUT_MS), 0, 600_000),
         ack_timeout_ms=_int("ackTimeoutMs", given.get("ackTimeoutMs", DEFAULT_ACK_TIMEOUT_MS), 100, 3_600_000),
         idle_probe_ms=_int("idleProbeIntervalMs", given.get("idleProbeIntervalMs", DEFAULT_IDLE_PROBE_MS), 100, 86_400_000),
+        dead_letter_topic=dlt,
+        dead_letter_path=dlp,
+        max_delivery_count=max_delivery,
         kafka=kafka,
     )

@@ -44,7 +44,7 @@ class BatchState:
     planned_at: float = field(default_factory=time.time)
     claims: Dict[int, str] = field(default_factory=dict)         # slot -> agent id
     acquired: Dict[int, dict] = field(default_factory=dict)      # slot -> {session, rows, offsets, acquired_at}
-    verdicts: Dict[Tuple[str, int, int], int] = field(default_factory=dict)
+    verdicts: Dict[Tuple[str, int, int], Tuple[int, Optional[str]]] = field(default_factory=dict)
     state: str = "planned"                                       # planned -> acking -> acked | released
     committed_at: Optional[float] = None
     acked_at: Optional[float] = None
@@ -54,6 +54,13 @@ class BatchState:
     @property
     def rows(self) -> int:
         return sum(a.get("rows", 0) for a in self.acquired.values())
+
+    def holds(self, topic: str, partition: int, offset: int) -> bool:
+        for a in self.acquired.values():
+            for lo, hi in a.get("offsets", {}).get(topic, {}).get(str(partition), ()):
+                if lo <= offset <= hi:
+                    return True
+        return False
 
     def summary(self) -> dict:
         d = {"batch": self.batch, "acquired": self.rows, "state": self.state}
@@ -152,6 +159,11 @@ class Tracker:
         self.query_id: Optional[str] = None
         self._registry_path: Optional[str] = None
         self.metadata = MetadataWatcher(opts)
+        try:
+            self._check_dead_letter_target()
+        except BaseException:
+            self.metadata.close()
+            raise
         self.num_slots = opts.num_partitions or max(1, len(self.metadata.partitions))
         self.server = wire.RpcServer((_bind_host(), 0), self.secret, self._handle, name="tracker",
                                      on_close=self._conn_closed)
@@ -166,6 +178,19 @@ class Tracker:
         log.info("spark-share tracker %s for group %r, topics %s (%d partitions), %d slots, listening on %s:%d",
                  self.tracker_id, opts.group_id, list(opts.topics), len(self.metadata.partitions),
                  self.num_slots, *self.address)
+
+    def _check_dead_letter_target(self) -> None:
+        o = self.opts
+        if o.dead_letter_topic:
+            md = self.metadata.client.list_topics(o.dead_letter_topic, timeout=30)
+            t = md.topics.get(o.dead_letter_topic)
+            if t is None or t.error is not None:
+                raise SourceError(f"option 'deadLetterTopic' = {o.dead_letter_topic!r}: the topic does not exist on "
+                                  f"{o.bootstrap_servers!r}; create it first (rejected records are written there)")
+        if o.dead_letter_path:
+            from .deadletter import check_path
+
+            check_path(o.dead_letter_path)
 
     # requests from agents and the user's process ----------------------------------------
     def _handle(self, conn: wire.RpcConnection, req: dict, blob: bytes):
@@ -196,6 +221,9 @@ class Tracker:
         return {"consumer_config": self.opts.consumer_config(self._session_max_records()),
                 "topics": list(self.opts.topics), "include_headers": self.opts.include_headers,
                 "slots": self.slots_for(self.opts.max_records_per_trigger),
+                "dead_letter": self.opts.dead_letter, "dead_letter_topic": self.opts.dead_letter_topic,
+                "dead_letter_path": self.opts.dead_letter_path, "max_delivery_count": self.opts.max_delivery_count,
+                "producer_config": self.opts.producer_config() if self.opts.dead_letter_topic else {},
                 "secret_values": self._secrets}
 
     def _session_max_records(self) -> Optional[int]:
@@ -242,9 +270,16 @@ class Tracker:
                                 "rows": int(req.get("rows", 0)), "acquired_at": req.get("acquired_at"),
                                 "offsets": req.get("offsets", {})}
             for t, parts in (req.get("offsets") or {}).items():
-                for p, (lo, _hi, _n) in parts.items():
+                for p, runs in parts.items():
                     k = (t, int(p))
+                    lo = runs[0][0]
                     b.min_offsets[k] = min(lo, b.min_offsets.get(k, lo))
+            limit = self.opts.max_delivery_count
+            for t, p, o, count in req.get("poison") or ():
+                b.verdicts[(t, int(p), int(o))] = (REJECT, f"deliveryCount {count} reached maxDeliveryCount {limit}")
+            if req.get("poison"):
+                log.warning("batch %d: %d records reached maxDeliveryCount %s; they are rejected to the dead-letter "
+                            "target instead of being processed again", batch, len(req["poison"]), limit)
             self.total_acquired += int(req.get("rows", 0))
         return {"ok": True}
 
@@ -258,20 +293,27 @@ class Tracker:
         return conn.call({"op": "fetch", "batch": batch, "slot": slot}, timeout=120)
 
     def _verdicts(self, req: dict) -> dict:
+        """Record reject/release verdicts for a running batch; all or nothing."""
         batch = int(req["batch"])
         kind = {"reject": REJECT, "release": RELEASE}[req["kind"]]
+        reason = req.get("reason")
         with self._lock:
             b = self.batches.get(batch)
             if b is None or b.state != "planned":
-                raise RuntimeError(f"batch {batch} is not running in this query (state: {b.state if b else 'unknown'})")
-            conflicts = 0
-            for t, p, o in req["records"]:
-                key = (t, int(p), int(o))
-                prev = b.verdicts.get(key)
-                if prev is not None and prev != kind:
-                    conflicts += 1
-                b.verdicts[key] = kind
-        return {"ok": True, "conflicts": conflicts}
+                raise ValueError(f"batch {batch} is not running in this query (state: {b.state if b else 'unknown'}); "
+                                 "verdicts apply to the batch being processed in foreachBatch")
+            keys = [(t, int(p), int(o)) for t, p, o in req["records"]]
+            foreign = [k for k in keys if not b.holds(*k)]
+            if foreign:
+                raise ValueError(f"{len(foreign)} of {len(keys)} rows are not from batch {batch} of this query, e.g. "
+                                 + ", ".join(f"{t}-{p}@{o}" for t, p, o in foreign[:5]))
+            both = [k for k in keys if k in b.verdicts and b.verdicts[k][0] != kind]
+            if both:
+                raise ValueError(f"{len(both)} rows were already given the opposite verdict (a row cannot be both "
+                                 "rejected and released), e.g. " + ", ".join(f"{t}-{p}@{o}" for t, p, o in both[:5]))
+            for k in keys:
+                b.verdicts[k] = (kind, reason)
+        return {"ok": True, "records": len(keys)}
 
     def _conn_closed(self, conn: wire.RpcConnection) -> None:
         agent_id = conn.info.get("agent_id")
@@ -360,8 +402,17 @@ class Tracker:
         with self._lock:
             holders = {a["agent"] for a in b.acquired.values() if a.get("rows")}
             conns = {a: self.agents.get(a) for a in holders}
-            verdicts = [[t, p, o, k] for (t, p, o), k in b.verdicts.items()]
+            verdicts = [[t, p, o, k] for (t, p, o), (k, _) in b.verdicts.items()]
+            rejects = [[t, p, o, r] for (t, p, o), (k, r) in b.verdicts.items() if k == REJECT]
         timeout_s = self.opts.ack_timeout_ms / 1000.0
+        if default == ACCEPT and rejects and self.opts.dead_letter:
+            failure = self._write_dead_letters(b, conns, rejects)
+            if failure:
+                # Nothing of this batch is acknowledged: every record comes back.
+                log.error("spark-share batch %d: %s; its %d records are released and will be delivered again",
+                          b.batch, failure, b.rows)
+                b.outcome.errors["DEADLETTER_WRITE_FAILED"] = len(rejects)
+                default, verdicts = RELEASE, []
         futs = {}
         for agent_id, conn in conns.items():
             if conn is None:
@@ -387,6 +438,24 @@ class Tracker:
             b.state = "acked" if default == ACCEPT else "released"
             self.totals.add(b.outcome)
         self._log_batch(b)
+
+    def _write_dead_letters(self, b: BatchState, conns: dict, rejects: list) -> Optional[str]:
+        """Phase one of acknowledging a batch with rejects: every agent writes the rejected records it
+        holds to the dead-letter target. Returns why that failed, or None."""
+        futs = {a: c.call_async({"op": "deadletter", "batch": b.batch, "records": rejects})
+                for a, c in conns.items() if c is not None}
+        if len(futs) < len(conns):
+            return "an agent holding rejected records is gone"
+        written = 0
+        for agent_id, f in futs.items():
+            try:
+                rep, _ = f.result(timeout=120)
+                written += int(rep["written"])
+            except Exception as e:
+                return f"writing dead letters failed on {agent_id}: {scrub(str(e), self._secrets)}"
+        if written != len(rejects):
+            return f"only {written} of {len(rejects)} rejected records were found to write as dead letters"
+        return None
 
     def _log_batch(self, b: BatchState) -> None:
         o = b.outcome

@@ -94,11 +94,16 @@ def _send(kind: str, rows, reason: Optional[str]) -> int:
     if spark is None:
         raise VerdictError("no active Spark session")
     qid, batch = _current_batch(spark)
+    if not coords:
+        return 0
     conn = tracker_for(qid)
     if conn is None:
         raise VerdictError(f"query {qid} is not a running kafka-share query on this host")
-    rep, _ = conn.call({"op": "verdicts", "batch": batch, "kind": kind, "reason": reason,
-                        "records": [list(c) for c in coords]}, timeout=60)
+    try:
+        conn.call({"op": "verdicts", "batch": batch, "kind": kind, "reason": reason,
+                   "records": [list(c) for c in coords]}, timeout=60)
+    except wire.RemoteError as e:
+        raise VerdictError(f"spark_share.{kind}(): {str(e).split(': ', 1)[-1]}") from None
     return len(coords)
 
 

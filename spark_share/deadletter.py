@@ -1,0 +1,134 @@
+"""Dead letters: where REJECTed records are written before their REJECT is sent.
+
+Owns: the two targets (a Kafka topic, written with an idempotent producer and flushed; a
+Parquet table path, one file per batch and slot) and the fields added to each record (reason,
+source coordinates, delivery count, query id, batch id). Used by the agent, which holds the
+original records, when the tracker acknowledges a batch that has rejects.
+
+Must never: report success before the records are durable at the target (the producer is
+flushed, the file closed), or drop a field of the original record.
+"""
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from typing import Dict, List, Optional, Tuple
+
+import pyarrow as pa
+
+HEADER_PREFIX = "spark-share."
+
+
+class DeadLetterError(RuntimeError):
+    pass
+
+
+def check_path(path: str) -> None:
+    """Fail fast, naming the option, when the dead-letter path cannot be written."""
+    fs, base = _filesystem(path)
+    probe = f"{base.rstrip('/')}/.spark-share-probe-{uuid.uuid4().hex[:8]}"
+    try:
+        fs.create_dir(base, recursive=True)
+        with fs.open_output_stream(probe) as f:
+            f.write(b"ok")
+        fs.delete_file(probe)
+    except Exception as e:
+        raise DeadLetterError(f"option 'deadLetterPath' = {path!r} cannot be written ({type(e).__name__}: {e}); "
+                              "give a directory this job can write, reachable from every executor") from None
+
+
+def _filesystem(path: str):
+    from pyarrow import fs
+
+    if "://" in path and not path.startswith("file://"):
+        return fs.FileSystem.from_uri(path)
+    local = path[len("file://"):] if path.startswith("file://") else path
+    return fs.LocalFileSystem(), os.path.abspath(local)
+
+
+def rejected_table(batch: pa.RecordBatch, wanted: Dict[Tuple[str, int, int], Optional[str]],
+                   query_id: Optional[str], batch_id: int) -> pa.Table:
+    """The rows of ``batch`` named in ``wanted`` ((topic, partition, offset) -> reason), with the
+    dead-letter fields added."""
+    topics = batch.column("topic").to_pylist()
+    parts = batch.column("partition").to_pylist()
+    offsets = batch.column("offset").to_pylist()
+    idx, reasons = [], []
+    for i, key in enumerate(zip(topics, parts, offsets)):
+        if key in wanted:
+            idx.append(i)
+            reasons.append(wanted[key])
+    rows = pa.Table.from_batches([batch]).take(pa.array(idx, pa.int64()))
+    n = rows.num_rows
+    return (rows.append_column("reason", pa.array(reasons, pa.string()))
+            .append_column("queryId", pa.array([query_id] * n, pa.string()))
+            .append_column("rejectedAt", pa.array([int(time.time() * 1e6)] * n, pa.timestamp("us", tz="UTC"))))
+
+
+class DeadLetterWriter:
+    def __init__(self, topic: Optional[str], path: Optional[str], producer_config: Dict[str, str]):
+        self.topic = topic
+        self.path = path
+        self._producer_config = producer_config
+        self._producer = None
+
+    def write(self, table: pa.Table, batch_id: int, name: str) -> int:
+        if table.num_rows == 0:
+            return 0
+        if self.topic:
+            return self._to_topic(table, batch_id)
+        return self._to_path(table, batch_id, name)
+
+    def _to_path(self, table: pa.Table, batch_id: int, name: str) -> int:
+        import pyarrow.parquet as pq
+
+        fs, base = _filesystem(self.path)
+        d = f"{base.rstrip('/')}/batchId={batch_id}"
+        fs.create_dir(d, recursive=True)
+        tmp = f"{d}/.{name}.parquet.tmp"
+        pq.write_table(table, tmp, filesystem=fs)
+        fs.move(tmp, f"{d}/{name}.parquet")  # readers never see a half-written file
+        return table.num_rows
+
+    def _to_topic(self, table: pa.Table, batch_id: int) -> int:
+        from confluent_kafka import KafkaException, Producer
+
+        if self._producer is None:
+            conf = dict(self._producer_config)
+            conf.update({"enable.idempotence": "true", "acks": "all"})
+            self._producer = Producer(conf)
+        errors: List[str] = []
+
+        def delivered(err, _msg):
+            if err is not None:
+                errors.append(f"{err.name()} ({err.code()})" if hasattr(err, "name") else str(err))
+
+        cols = table.to_pydict()
+        has_headers = "headers" in cols
+        for i in range(table.num_rows):
+            headers = [(h["key"], h["value"]) for h in (cols["headers"][i] or [])] if has_headers else []
+            headers += [(HEADER_PREFIX + k, str(v).encode()) for k, v in (
+                ("reason", cols["reason"][i] or ""), ("topic", cols["topic"][i]),
+                ("partition", cols["partition"][i]), ("offset", cols["offset"][i]),
+                ("deliveryCount", cols["deliveryCount"][i]), ("queryId", cols["queryId"][i] or ""),
+                ("batchId", batch_id))]
+            try:
+                self._producer.produce(self.topic, key=cols["key"][i], value=cols["value"][i], headers=headers,
+                                       on_delivery=delivered)
+            except (KafkaException, BufferError) as e:
+                errors.append(str(e))
+                break
+            self._producer.poll(0)
+        left = self._producer.flush(60)
+        if left:
+            errors.append(f"{left} records not delivered within 60 s")
+        if errors:
+            raise DeadLetterError(f"writing {table.num_rows} rejected records to dead-letter topic {self.topic!r} "
+                                  f"failed: {'; '.join(sorted(set(errors))[:3])}")
+        return table.num_rows
+
+    def close(self) -> None:
+        if self._producer is not None:
+            self._producer.flush(30)
+            self._producer = None
