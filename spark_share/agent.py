@@ -59,30 +59,49 @@ def agent_socket_path(tracker_id: str) -> str:
 # Read-task side: find or start this host's agent.
 
 def ensure_agent(tracker_addr: Tuple[str, int], tracker_id: str, secret: str, timeout: float = 10.0) -> wire.RpcConnection:
-    """Connect to this host's agent for the tracker, starting it if it is not running."""
+    """Connect to this host's agent for the tracker, starting it if it is not running.
+
+    Two locks make this safe when Spark kills a worker half way: ``.spawn`` lets one read task at a
+    time decide to start an agent; ``.alive`` is taken by the spawner and handed to the agent (an
+    inherited file description), so it is held exactly as long as an agent lives, starting or not."""
     path = agent_socket_path(tracker_id)
     try:
         return wire.connect(path, secret, timeout=timeout, name="task")
     except (FileNotFoundError, ConnectionRefusedError):
         pass
-    lock_path = os.path.join(runtime_dir(), f"agent-{tracker_id}.lock")
-    fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o600)
+    base = os.path.join(runtime_dir(), f"agent-{tracker_id}")
+    spawn_fd = os.open(base + ".spawn", os.O_CREAT | os.O_RDWR, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # one spawner per host; released if this worker dies
+        fcntl.flock(spawn_fd, fcntl.LOCK_EX)  # released if this worker dies
+        alive_fd = os.open(base + ".alive", os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(alive_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # an agent lives (maybe still starting): wait for its socket
+            os.close(alive_fd)
+            return _connect_when_ready(path, secret, timeout)
+        try:
+            if os.path.exists(path):
+                os.unlink(path)  # left by an agent that was killed
+            _spawn_agent(tracker_addr, tracker_id, secret, alive_fd)
+        finally:
+            os.close(alive_fd)  # the agent keeps its own copy of the locked description
+        return wire.connect(path, secret, timeout=timeout, name="task")
+    finally:
+        os.close(spawn_fd)
+
+
+def _connect_when_ready(path: str, secret: str, timeout: float) -> wire.RpcConnection:
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    while True:
         try:
             return wire.connect(path, secret, timeout=timeout, name="task")
         except (FileNotFoundError, ConnectionRefusedError):
-            pass
-        if os.path.exists(path):
-            os.unlink(path)  # left by an agent that was killed
-        _spawn_agent(tracker_addr, tracker_id, secret)
-        return wire.connect(path, secret, timeout=timeout, name="task")
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the spark-share agent did not open {path} within {SPAWN_TIMEOUT_S:.0f} s") from None
+            time.sleep(0.05)  # bounded poll for a socket file; there is nothing to wait on
 
 
-def _spawn_agent(tracker_addr, tracker_id: str, secret: str) -> None:
+def _spawn_agent(tracker_addr, tracker_id: str, secret: str, alive_fd: int) -> None:
     log_path = os.path.join(runtime_dir(), f"agent-{tracker_id}.log")
     env = dict(os.environ)
     # The worker may import this package from a path Spark added (--py-files, a zip); so must the agent.
@@ -93,7 +112,7 @@ def _spawn_agent(tracker_addr, tracker_id: str, secret: str) -> None:
         proc = subprocess.Popen(
             [sys.executable, "-m", "spark_share.agent"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf,
-            close_fds=True, start_new_session=True, cwd=runtime_dir(), env=env)
+            close_fds=True, pass_fds=(alive_fd,), start_new_session=True, cwd=runtime_dir(), env=env)
     # Parameters travel on stdin, never on the command line (visible to every user in ps).
     proc.stdin.write(json.dumps({"tracker": list(tracker_addr), "tracker_id": tracker_id,
                                  "secret": secret}).encode() + b"\n")
@@ -146,6 +165,7 @@ class Agent:
         self.agent_id = f"{socket.gethostname()}:{os.getpid()}"
         self._secret = secret
         self._lock = threading.Lock()
+        self._resize_lock = threading.Lock()
         self._sessions: List = []
         self._reserved: set = set()
         self._cache: Dict[Tuple[int, int], Cached] = {}
@@ -166,22 +186,28 @@ class Agent:
         self._start_sessions(int(hello.get("slots", 1)))
         self.server = wire.RpcServer(agent_socket_path(tracker_id), secret, self._on_task_request, name="agent")
 
-    def _start_sessions(self, n: int) -> None:
+    def _new_session(self, max_poll_records: Optional[int] = None):
+        from .session import ShareSession
+
+        with self._lock:
+            self._session_seq += 1
+            sid = f"{os.getpid()}-{self._session_seq}"
+        conf = dict(self.config["consumer_config"])
+        if max_poll_records is not None:
+            conf["max.poll.records"] = str(max_poll_records)
+        return ShareSession(sid, conf, self.config["topics"], self._keep_headers, scrub=self._scrub)
+
+    def _start_sessions(self, n: int, max_poll_records: Optional[int] = None) -> None:
         """Join the group with every session a batch needs before any of them acquires records.
 
         A member joining later makes the group rebalance; the embedded broker ends the other
         members' share sessions then and hands their acquired records out again (duplicates)."""
-        from .session import ShareSession
-
-        for _ in range(n):
-            with self._lock:
-                self._session_seq += 1
-                sid = f"{os.getpid()}-{self._session_seq}"
-            self._sessions.append(ShareSession(sid, dict(self.config["consumer_config"]), self.config["topics"],
-                                               self._keep_headers, scrub=self._scrub))
+        sessions = [self._new_session(max_poll_records) for _ in range(n)]
         time.sleep(JOIN_SETTLE_S)
-        log.info("agent %s: %d share sessions joined group %s", self.agent_id, n,
-                 self.config["consumer_config"].get("group.id"))
+        with self._lock:
+            self._sessions.extend(sessions)
+        log.info("agent %s: %d share sessions (max.poll.records %s) joined group %s", self.agent_id, n,
+                 sessions[0].max_poll_records if sessions else "-", self.config["consumer_config"].get("group.id"))
 
     # read tasks ----------------------------------------------------------------------------
     def _on_task_request(self, conn, req: dict, blob: bytes):
@@ -215,7 +241,7 @@ class Agent:
                 # Another host acquired this (batch, slot): relay its cached rows through the tracker.
                 rep, ipc = self.tracker.call({"op": "fetch", "batch": batch, "slot": slot}, timeout=120)
                 return {"rows": rep.get("rows", 0), "cached": True, "relayed": True}, ipc
-            session = self._take_session(claim)
+            session = self._take_session(max_records)
             try:
                 budget = poll_timeout_ms if session.polls else max(poll_timeout_ms, FIRST_POLL_MIN_MS)
                 rb, holding = session.poll(batch, slot, max_records, budget).result()
@@ -261,22 +287,36 @@ class Agent:
             rb = rb.drop_columns(["headers"])
         return rb, poison
 
-    def _take_session(self, claim: dict):
-        from .session import ShareSession
+    def _take_session(self, max_records: Optional[int]):
+        """Reserve a free session whose polls are no bigger than ``max_records``.
 
-        with self._lock:
-            for s in self._sessions:
-                if s not in self._reserved and not s.busy:
-                    self._reserved.add(s)
-                    return s
-            self._session_seq += 1
-            sid = f"{os.getpid()}-{self._session_seq}"
-        conf = dict(self.config["consumer_config"])
-        s = ShareSession(sid, conf, self.config["topics"], self._keep_headers, scrub=self._scrub)
+        When the tracker lowers the batch size (after lock expiry), every free session is replaced
+        by one with a smaller max.poll.records, all at once: trimming a bigger poll would mean
+        releasing the excess, and every release counts as a delivery."""
+        with self._resize_lock:
+            with self._lock:
+                free = [s for s in self._sessions if s not in self._reserved and not s.busy]
+                if max_records is not None and any(s.max_poll_records > max_records for s in free):
+                    for s in free:
+                        self._sessions.remove(s)
+                    stale = free
+                    free = []
+                else:
+                    stale = []
+            if stale:
+                wait_futures([s.close() for s in stale], timeout=30)
+                self._start_sessions(len(stale), max_records)
+                log.info("agent %s: batch size lowered: polls now take at most %d records", self.agent_id, max_records)
+            with self._lock:
+                for s in self._sessions:
+                    if s not in self._reserved and not s.busy and (max_records is None or s.max_poll_records <= max_records):
+                        self._reserved.add(s)
+                        return s
+        s = self._new_session(max_records)
         with self._lock:
             self._sessions.append(s)
             self._reserved.add(s)
-        log.info("agent %s: started share session %s", self.agent_id, sid)
+        log.info("agent %s: started share session %s", self.agent_id, s.session_id)
         return s
 
     def _give_back(self, session) -> None:
@@ -390,15 +430,20 @@ def main() -> None:
         sys.stdout.write(f"ERROR {type(e).__name__}: {e}\n")
         sys.stdout.flush()
         os._exit(1)
-    sys.stdout.write(f"READY {agent.agent_id}\n")
-    sys.stdout.flush()
+    try:
+        sys.stdout.write(f"READY {agent.agent_id}\n")
+        sys.stdout.flush()
+    except OSError:  # the worker that started us was killed meanwhile; we serve its retry
+        pass
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
+    sys.stdout = open(os.devnull, "w")
     agent.done.wait()
-    try:  # no spawner can want this run's lock any more: its tracker is gone
-        os.unlink(os.path.join(runtime_dir(), f"agent-{params['tracker_id']}.lock"))
-    except OSError:
-        pass
+    for suffix in (".spawn", ".alive"):  # no spawner can want this run's locks any more: its tracker is gone
+        try:
+            os.unlink(os.path.join(runtime_dir(), f"agent-{params['tracker_id']}{suffix}"))
+        except OSError:
+            pass
     log.info("agent %s: exiting", agent.agent_id)
     logging.shutdown()
     os._exit(0)

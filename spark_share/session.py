@@ -62,9 +62,10 @@ class AckOutcome:
 
 
 def _error_code(exc) -> Tuple[int, str]:
+    """(code, "NAME(code)") of a KafkaException; the label is what counts and logs show."""
     err = exc.args[0] if getattr(exc, "args", None) else None
     if err is not None and hasattr(err, "code"):
-        return err.code(), err.name()
+        return err.code(), f"{err.name()}({err.code()})"
     return -1, type(exc).__name__
 
 
@@ -82,6 +83,7 @@ class ShareSession:
         self._scrub = scrub
         self._queue: "queue.Queue[Optional[Tuple[Callable, Future]]]" = queue.Queue()
         self._closed = False
+        self.max_poll_records = int(conf.get("max.poll.records", 500))
         self.consumer = ShareConsumer(conf)
         try:
             self.consumer.subscribe(list(topics))
@@ -220,7 +222,7 @@ class ShareSession:
         if failed_tps:
             log.warning("session %s: acknowledgement of batch %d failed for %s",
                         self.session_id, h.batch,
-                        ", ".join(f"{t}-{p}: {name} ({code})" for (t, p), (code, name) in failed_tps.items()))
+                        ", ".join(f"{t}-{p}: {name}" for (t, p), (code, name) in failed_tps.items()))
         return out
 
     def _close(self) -> None:

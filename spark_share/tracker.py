@@ -76,7 +76,7 @@ class MetadataWatcher:
     """A plain Kafka client kept alive for the whole run (the embedded broker drops every share
     session when any client disconnects) that refreshes high watermarks in the background."""
 
-    def __init__(self, opts: ShareSourceOptions, timeout_s: float = 30.0):
+    def __init__(self, opts: ShareSourceOptions, timeout_s: float = 15.0):
         from confluent_kafka import Consumer, KafkaException
 
         self._opts = opts
@@ -136,6 +136,16 @@ class MetadataWatcher:
             pass
 
 
+def _log_to_file(path: str) -> logging.Handler:
+    """The driver side's log lines also go to an owner-only file beside the agents' logs."""
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o600)
+    os.close(fd)
+    h = logging.FileHandler(path)
+    h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger("spark_share").addHandler(h)
+    return h
+
+
 def _bind_host() -> str:
     """Loopback unless Spark says executors are elsewhere (set SPARK_SHARE_BIND_HOST to override)."""
     explicit = os.environ.get("SPARK_SHARE_BIND_HOST")
@@ -158,11 +168,17 @@ class Tracker:
         self.agents: Dict[str, wire.RpcConnection] = {}
         self.query_id: Optional[str] = None
         self._registry_path: Optional[str] = None
-        self.metadata = MetadataWatcher(opts)
+        self._log_file = _log_to_file(os.path.join(runtime_dir(), f"tracker-{self.tracker_id}.log"))
+        try:
+            self.metadata = MetadataWatcher(opts)
+        except BaseException:
+            self._close_log()
+            raise
         try:
             self._check_dead_letter_target()
         except BaseException:
             self.metadata.close()
+            self._close_log()
             raise
         self.num_slots = opts.num_partitions or max(1, len(self.metadata.partitions))
         self.server = wire.RpcServer((_bind_host(), 0), self.secret, self._handle, name="tracker",
@@ -173,6 +189,8 @@ class Tracker:
         self.planned_any = False
         self.available_now_target: Optional[Dict[Tuple[str, int], int]] = None
         self.totals = AckOutcome()
+        # Records per slot that fit in the record lock; lowered whenever a batch's locks expire.
+        self.lock_safe_records: Optional[int] = None
         self.total_acquired = 0
         self._closed = False
         log.info("spark-share tracker %s for group %r, topics %s (%d partitions), %d slots, listening on %s:%d",
@@ -372,9 +390,10 @@ class Tracker:
             return b
 
     def slot_budgets(self, b: BatchState) -> List[Optional[int]]:
-        if b.max_records is None:
-            return [None] * b.slots
-        return [max(1, b.max_records // b.slots)] * b.slots
+        per_slot = None if b.max_records is None else max(1, b.max_records // b.slots)
+        if self.lock_safe_records is not None:
+            per_slot = self.lock_safe_records if per_slot is None else min(per_slot, self.lock_safe_records)
+        return [per_slot] * b.slots
 
     # acknowledgements ---------------------------------------------------------------------
     def batch_committed(self, upto: int, wait: bool = True) -> None:
@@ -437,6 +456,12 @@ class Tracker:
             b.acked_at = time.time()
             b.state = "acked" if default == ACCEPT else "released"
             self.totals.add(b.outcome)
+            if b.outcome.expired:
+                # The batch outlived the record lock: halve what one consumer may take per batch.
+                biggest = max((a.get("rows", 0) for a in b.acquired.values()), default=1)
+                cap = max(1, biggest // 2)
+                if self.lock_safe_records is None or cap < self.lock_safe_records:
+                    self.lock_safe_records = cap
         self._log_batch(b)
 
     def _write_dead_letters(self, b: BatchState, conns: dict, rejects: list) -> Optional[str]:
@@ -466,7 +491,8 @@ class Tracker:
         if o.expired:
             log.warning("spark-share batch %d: %d records' locks expired before the batch committed; they are "
                         "delivered again. Raise the group's share.record.lock.duration.ms or lower "
-                        "maxRecordsPerTrigger so batches finish within the lock", b.batch, o.expired)
+                        "maxRecordsPerTrigger so batches finish within the lock; next batches take at most %d "
+                        "records per consumer", b.batch, o.expired, self.lock_safe_records)
 
     # progress -----------------------------------------------------------------------------
     def progress(self) -> dict:
@@ -477,6 +503,7 @@ class Tracker:
             last = max(done, key=lambda b: b.batch).summary() if done else None
             t = self.totals
         return {"v": 1, "batch": planned, "inflightRecords": inflight, "agents": len(self.agents),
+                "maxRecordsPerConsumer": self.lock_safe_records,
                 "acquired": self.total_acquired, "accepted": t.accepted, "released": t.released,
                 "rejected": t.rejected, "expired": t.expired, "failed": t.failed,
                 "lastAcked": last}
@@ -520,4 +547,9 @@ class Tracker:
             except OSError:
                 pass
         log.info("spark-share tracker %s stopped: %s", self.tracker_id, json.dumps(self.progress()))
+        self._close_log()
+
+    def _close_log(self) -> None:
+        logging.getLogger("spark_share").removeHandler(self._log_file)
+        self._log_file.close()
 
