@@ -1,41 +1,117 @@
-"""The ``spark-share`` command: ``broker`` (the embedded broker in the foreground), ``demo`` and
-``produce`` (a quick producer for manual tests).
+"""The ``spark-share`` command.
+
+    spark-share broker [--brokers N] [--topic NAME[:PARTITIONS] ...] [--lock-ms MS]
+                       [--max-delivery N] [--auto-offset-reset earliest|latest]
+    spark-share produce --bootstrap-servers S --topic T [--count N] [--rate R] [--malformed F]
+    spark-share demo [args]          (arguments are passed to spark_share.demo.main)
+
+Owns: argument parsing and the three subcommands. ``broker`` runs the embedded broker in the
+foreground: it prints ``bootstrap.servers=<value>`` as its first line (for scripts), then a line
+for humans, and runs until SIGINT/SIGTERM. Subcommands live in ``COMMANDS`` (name -> (help,
+add-arguments, run)), so adding one is one entry.
 
 Must never: print a secret, or leave the embedded broker running after it exits.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import random
 import signal
 import sys
 import threading
 import time
-from typing import List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 
-def _broker(args) -> int:
+# --- broker ---------------------------------------------------------------------------------
+def _broker_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--brokers", type=int, default=1, help="number of brokers (default 1)")
+    p.add_argument("--topic", action="append", default=[], metavar="NAME[:PARTITIONS]",
+                   help="create a topic (repeatable), e.g. --topic orders:4")
+    p.add_argument("--lock-ms", type=int, default=None, metavar="MS",
+                   help="record lock duration of share groups in ms (mock default if omitted)")
+    p.add_argument("--max-delivery", type=int, default=None, metavar="N",
+                   help="delivery attempts before a record is archived (mock default 5)")
+    p.add_argument("--auto-offset-reset", choices=("earliest", "latest"), default="earliest",
+                   help="where new share groups start (default earliest)")
+
+
+def _broker(args: argparse.Namespace) -> int:
     from .embedded import EmbeddedKafka, parse_topic_spec
 
-    topics = [parse_topic_spec(t) for t in args.topic]
+    try:
+        topics = [parse_topic_spec(t) for t in args.topic]
+    except ValueError as e:
+        print(f"spark-share broker: {e}", file=sys.stderr)
+        return 2
+    if args.brokers < 1:
+        print("spark-share broker: --brokers must be >= 1", file=sys.stderr)
+        return 2
+
     stop = threading.Event()
+    previous = {}
+
+    def on_signal(signum, _frame):
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    with EmbeddedKafka(args.brokers, auto_offset_reset=args.auto_offset_reset,
-                       record_lock_duration_ms=args.lock_ms, max_delivery_attempts=args.max_delivery) as kafka:
-        for name, parts in topics:
-            kafka.create_topic(name, parts)
-        print(f"bootstrap.servers={kafka.bootstrap_servers}", flush=True)
-        print(f"embedded Kafka (librdkafka mock cluster, {args.brokers} broker(s)) with share groups; topics: "
-              f"{', '.join(f'{n}:{p}' for n, p in topics) or 'none'}. Ctrl-C to stop.", flush=True)
-        stop.wait()
+        previous[sig] = signal.signal(sig, on_signal)
+    try:
+        with EmbeddedKafka(args.brokers, auto_offset_reset=args.auto_offset_reset,
+                           record_lock_duration_ms=args.lock_ms,
+                           max_delivery_attempts=args.max_delivery) as kafka:
+            for name, parts in topics:
+                kafka.create_topic(name, parts)
+            print(f"bootstrap.servers={kafka.bootstrap_servers}", flush=True)
+            shown = ", ".join(f"{n}:{p}" for n, p in topics) or "none"
+            print(f"embedded Kafka (librdkafka mock cluster, {args.brokers} broker(s), share groups on); "
+                  f"topics: {shown}. Ctrl-C to stop.", flush=True)
+            # Event.wait with a timeout returns to the interpreter regularly, so the signal
+            # handler runs promptly on every platform.
+            while not stop.wait(0.5):
+                pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     print("embedded Kafka stopped", flush=True)
     return 0
 
 
-def _produce(args) -> int:
+# --- produce --------------------------------------------------------------------------------
+def _fraction(text: str) -> float:
+    v = float(text)
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError("must be between 0 and 1")
+    return v
+
+
+def _produce_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bootstrap-servers", required=True, help="e.g. the line printed by 'spark-share broker'")
+    p.add_argument("--topic", required=True)
+    p.add_argument("--count", type=int, default=1000, help="records to produce (default 1000)")
+    p.add_argument("--rate", type=float, default=0.0, help="records per second; 0 = unlimited (default)")
+    p.add_argument("--malformed", type=_fraction, default=0.0, metavar="FRACTION",
+                   help="fraction of records whose value is not JSON (default 0)")
+    p.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
+
+
+def order_record(i: int, rnd: random.Random) -> bytes:
+    return json.dumps({"order_id": i, "customer": f"c{rnd.randrange(1000):03d}",
+                       "amount": round(rnd.uniform(1, 500), 2), "ts": time.time()}).encode()
+
+
+def _produce(args: argparse.Namespace) -> int:
     from confluent_kafka import Producer
+
+    if args.bootstrap_servers.startswith("bootstrap.servers="):
+        args.bootstrap_servers = args.bootstrap_servers.split("=", 1)[1]
+    errors: List[str] = []
+
+    def on_delivery(err, _msg):
+        if err is not None:
+            errors.append(str(err))
 
     p = Producer({"bootstrap.servers": args.bootstrap_servers, "linger.ms": 5})
     rnd = random.Random(args.seed)
@@ -43,70 +119,80 @@ def _produce(args) -> int:
     bad = 0
     for i in range(args.count):
         if args.rate > 0:
-            due = t0 + i / args.rate
-            delay = due - time.monotonic()
+            delay = t0 + i / args.rate - time.monotonic()
             if delay > 0:
-                time.sleep(delay)  # pacing, not synchronisation
+                time.sleep(delay)  # rate pacing
         if rnd.random() < args.malformed:
-            value = b'{"order_id": ' + str(i).encode() + b', "amount": oops'
+            value = b'{"order_id": ' + str(i).encode() + b', "amount": not-json'
             bad += 1
         else:
-            value = json.dumps({"order_id": i, "customer": f"c{rnd.randrange(1000)}",
-                                "amount": round(rnd.uniform(1, 500), 2), "ts": time.time()}).encode()
+            value = order_record(i, rnd)
         while True:
             try:
-                p.produce(args.topic, key=str(i).encode(), value=value)
+                p.produce(args.topic, key=str(i).encode(), value=value, on_delivery=on_delivery)
                 break
             except BufferError:
                 p.poll(0.1)
         p.poll(0)
     left = p.flush(60)
     took = time.monotonic() - t0
-    print(f"produced {args.count - left} records ({bad} malformed) to {args.topic} in {took:.1f} s")
-    return 1 if left else 0
+    ok = args.count - left - len(errors)
+    print(f"produced {ok} records ({bad} malformed) to {args.topic} in {took:.1f} s", flush=True)
+    if left or errors:
+        print(f"spark-share produce: {left} undelivered, {len(errors)} failed"
+              + (f" (e.g. {errors[0]})" if errors else ""), file=sys.stderr)
+        return 1
+    return 0
 
 
-def _demo(args, rest) -> int:
-    from . import demo
+# --- demo -----------------------------------------------------------------------------------
+def _demo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the demo (see 'spark-share demo --help')")
 
-    return demo.main(rest)
+
+def _demo(args: argparse.Namespace) -> int:
+    rest = list(args.rest)
+    try:
+        demo = importlib.import_module("spark_share.demo")
+    except ModuleNotFoundError as e:
+        if e.name not in ("spark_share.demo",):
+            raise
+        if "-h" in rest or "--help" in rest:
+            print("usage: spark-share demo [args]\n\nThe demo is not available in this installation.")
+            return 0
+        print("spark-share demo: the demo is not available in this installation (no spark_share.demo)",
+              file=sys.stderr)
+        return 1
+    return int(demo.main(rest) or 0)
+
+
+# --- main -----------------------------------------------------------------------------------
+Command = Tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+COMMANDS: Dict[str, Command] = {
+    "broker": ("run the embedded Kafka broker (share groups on) until Ctrl-C", _broker_args, _broker),
+    "produce": ("produce JSON order records (some malformed, if asked) for manual tests", _produce_args, _produce),
+    "demo": ("run the demo job on the embedded broker (see 'spark-share demo --help')", _demo_args, _demo),
+}
+# Subcommands whose arguments (including --help) belong to the code they call.
+_PASS_THROUGH = {"demo"}
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="spark-share", description="Kafka share groups as a PySpark streaming source.")
-    sub = ap.add_subparsers(dest="command", required=True)
-
-    b = sub.add_parser("broker", help="run the embedded Kafka broker (with share groups) until Ctrl-C")
-    b.add_argument("--brokers", type=int, default=1, help="number of brokers (default 1)")
-    b.add_argument("--topic", action="append", default=[], metavar="NAME[:PARTITIONS]",
-                   help="create a topic (repeatable), e.g. --topic orders:4")
-    b.add_argument("--lock-ms", type=int, default=None, help="record lock duration of share groups in ms")
-    b.add_argument("--max-delivery", type=int, default=None, help="delivery attempts before a record is archived")
-    b.add_argument("--auto-offset-reset", choices=("earliest", "latest"), default="earliest",
-                   help="where new share groups start (default earliest)")
-    b.set_defaults(func=_broker)
-
-    d = sub.add_parser("demo", help="run the demo job on the embedded broker (see 'spark-share demo --help')",
-                       add_help=False)
-    d.set_defaults(func=_demo)
-
-    p = sub.add_parser("produce", help="produce JSON order records for manual tests")
-    p.add_argument("--bootstrap-servers", required=True)
-    p.add_argument("--topic", required=True)
-    p.add_argument("--count", type=int, default=1000, help="records to produce (default 1000)")
-    p.add_argument("--rate", type=float, default=0, help="records per second; 0 = as fast as possible")
-    p.add_argument("--malformed", type=float, default=0.0, help="fraction of records that are not valid JSON")
-    p.add_argument("--seed", type=int, default=1)
-    p.set_defaults(func=_produce)
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (help_, add_args, run) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_, add_help=name not in _PASS_THROUGH)
+        add_args(p)
+        p.set_defaults(func=run)
     return ap
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    ap = build_parser()
-    if argv and argv[0] == "demo":
-        return _demo(None, argv[1:])
-    args = ap.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _PASS_THROUGH:
+        # argparse would take a leading --help for itself; hand everything to the subcommand.
+        return COMMANDS[argv[0]][2](argparse.Namespace(command=argv[0], rest=argv[1:]))
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 

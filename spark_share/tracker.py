@@ -69,6 +69,7 @@ class BatchState:
             d["errors"] = dict(self.outcome.errors)
         if self.committed_at and self.acked_at:
             d["ackLatencyMs"] = round((self.acked_at - self.committed_at) * 1000, 1)
+            d["ackedAt"] = round(self.acked_at, 3)
         return d
 
 
@@ -136,6 +137,20 @@ class MetadataWatcher:
             pass
 
 
+def _prune_runtime_dir(max_age_s: float = 7 * 86400) -> None:
+    """Logs untouched for a week go (live runs keep writing theirs; locks and sockets stay)."""
+    base = runtime_dir()
+    cutoff = time.time() - max_age_s
+    for name in os.listdir(base):
+        if name.endswith(".log"):
+            path = os.path.join(base, name)
+            try:
+                if os.stat(path).st_mtime < cutoff:
+                    os.unlink(path)
+            except OSError:
+                pass
+
+
 def _log_to_file(path: str) -> logging.Handler:
     """The driver side's log lines also go to an owner-only file beside the agents' logs."""
     fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o600)
@@ -168,6 +183,7 @@ class Tracker:
         self.agents: Dict[str, wire.RpcConnection] = {}
         self.query_id: Optional[str] = None
         self._registry_path: Optional[str] = None
+        _prune_runtime_dir()
         self._log_file = _log_to_file(os.path.join(runtime_dir(), f"tracker-{self.tracker_id}.log"))
         try:
             self.metadata = MetadataWatcher(opts)

@@ -1,4 +1,5 @@
-"""Fixtures shared by the whole run: one local Spark session, a fresh embedded broker per test."""
+"""Fixtures shared by the whole run: one local Spark session, a fresh embedded broker per test,
+and a long-lived producer of records with unique ids."""
 from __future__ import annotations
 
 import os
@@ -6,9 +7,12 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))  # tests import support.py
-os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+sys.path.insert(0, os.path.dirname(__file__))  # tests import helpers.py and support.py
+# Executors' Python workers must be this interpreter (the venv with the project installed).
+os.environ["PYSPARK_PYTHON"] = sys.executable
+os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+
+from helpers import ProducerPool  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -20,10 +24,13 @@ def spark():
                .config("spark.ui.enabled", "false")
                .config("spark.sql.shuffle.partitions", "2")
                .config("spark.driver.memory", "2g")
+               .config("spark.sql.streaming.stopTimeout", "60s")
                .getOrCreate())
     session.sparkContext.setLogLevel("ERROR")
-    yield session
-    session.stop()
+    try:
+        yield session
+    finally:
+        session.stop()
 
 
 @pytest.fixture
@@ -33,3 +40,15 @@ def kafka():
 
     with EmbeddedKafka() as cluster:
         yield cluster
+
+
+@pytest.fixture
+def produce(kafka):
+    """``produce(kafka, topic, values_or_count, partitions=None) -> ids``: records with unique ids
+    (JSON value with an "id" field, key = id) through one producer per broker that lives until
+    the end of the test (a disconnecting client ends every share session on the mock)."""
+    pool = ProducerPool()
+    try:
+        yield pool
+    finally:
+        pool.close()

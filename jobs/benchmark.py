@@ -1,0 +1,357 @@
+"""Benchmarks: kafka-share against a raw share consumer, side by side, on one embedded broker.
+
+    .venv/bin/python jobs/benchmark.py [--records 100000] [--repeats 3] [--out bench-out]
+
+Prints a table and writes results.json and PNG plots to --out. Absolute numbers vary from run to
+run on a shared 2-core machine; the ratios, measured in the same run, are what to compare.
+Not part of the test run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+
+import psutil
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+RAW_LOOP = r"""
+import json, sys, threading, time, resource
+from confluent_kafka import ShareConsumer, AcknowledgeType
+bootstrap, group, topic, consumers, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+got = [0] * consumers
+start = threading.Barrier(consumers + 1)
+def run(i):
+    c = ShareConsumer({"bootstrap.servers": bootstrap, "group.id": group, "share.acknowledgement.mode": "explicit",
+                       "max.poll.records": "10000"})
+    c.subscribe([topic])
+    start.wait()
+    while sum(got) < n:
+        msgs = c.poll(0.2)
+        for m in msgs:
+            if m.error() is None:
+                c.acknowledge(m, AcknowledgeType.ACCEPT)
+                got[i] += 1
+    c.commit_sync(30)
+    c.close()
+threads = [threading.Thread(target=run, args=(i,)) for i in range(consumers)]
+for t in threads: t.start()
+start.wait()
+t0 = time.perf_counter(); r0 = resource.getrusage(resource.RUSAGE_SELF)
+for t in threads: t.join()
+dt = time.perf_counter() - t0; r1 = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"seconds": dt, "records": sum(got),
+                  "cpu": (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)}))
+"""
+
+
+def produce(kafka, topic, n, partitions):
+    from confluent_kafka import Producer
+
+    p = Producer({"bootstrap.servers": kafka.bootstrap_servers, "linger.ms": 5, "batch.num.messages": 10000})
+    payload = b"x" * 100
+    for i in range(n):
+        while True:
+            try:
+                p.produce(topic, key=str(i).encode(), value=payload, partition=i % partitions)
+                break
+            except BufferError:
+                p.poll(0.05)
+    p.flush(60)
+    return p
+
+
+class CpuSampler:
+    """CPU seconds of our processes (agents, the runner, Python workers) while a run lasts."""
+
+    def __init__(self):
+        self.last = {}
+        self.first = {}
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._loop, daemon=True)
+
+    @staticmethod
+    def ours(p):
+        cmd = " ".join(p.info["cmdline"] or [])
+        return ("spark_share.agent" in cmd or "python_streaming_source_runner" in cmd or "pyspark.daemon" in cmd
+                or "pyspark/daemon" in cmd or "pyspark.worker" in cmd)
+
+    def _loop(self):
+        while not self._stop.is_set():
+            for p in psutil.process_iter(["cmdline"]):
+                try:
+                    if self.ours(p):
+                        t = p.cpu_times()
+                        v = t.user + t.system
+                        self.first.setdefault(p.pid, v)
+                        self.last[p.pid] = v
+                except psutil.Error:
+                    continue
+            self._stop.wait(0.1)
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+
+    @property
+    def seconds(self):
+        return sum(self.last[p] - self.first.get(p, 0) for p in self.last)
+
+
+def raw_loop(kafka, topic, consumers, n):
+    out = subprocess.run([sys.executable, "-c", RAW_LOOP, kafka.bootstrap_servers, f"raw-{uuid.uuid4().hex[:6]}",
+                          topic, str(consumers), str(n)], capture_output=True, text=True, timeout=600)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def share_run(spark, kafka, topic, slots, n, tmp):
+    import spark_share
+
+    df = (spark.readStream.format("kafka-share").option("kafka.bootstrap.servers", kafka.bootstrap_servers)
+          .option("kafka.group.id", f"share-{uuid.uuid4().hex[:6]}").option("subscribe", topic)
+          .option("numPartitions", str(slots)).load())
+    with CpuSampler() as cpu:
+        t0 = time.perf_counter()
+        q = (df.writeStream.format("noop").option("checkpointLocation", os.path.join(tmp, uuid.uuid4().hex))
+             .trigger(availableNow=True).start())
+        q.awaitTermination()
+        wall = time.perf_counter() - t0
+    prog = [p for p in q.recentProgress if p["numInputRows"]]
+    rows = sum(p["numInputRows"] for p in prog)
+    busy = sum(p["durationMs"]["triggerExecution"] for p in prog) / 1000.0
+    return {"seconds": wall, "busy_seconds": busy, "records": rows, "batches": len(prog), "cpu": cpu.seconds}
+
+
+def decode_bench(n=300_000, repeats=3):
+    import pyarrow as pa
+    from confluent_kafka import Message
+
+    from spark_share import records
+
+    msgs = [Message(topic="orders", partition=i % 4, offset=i, key=str(i).encode(), value=b"x" * 100,
+                    timestamp=(1, 1_700_000_000_000 + i)) for i in range(n)]
+
+    def naive(ms):  # per-message Python tuples, then columns
+        rows = [(m.key(), m.value(), m.topic(), m.partition(), m.offset(), m.timestamp()[1] * 1000,
+                 m.timestamp()[0] - 1, m.delivery_count()) for m in ms]
+        cols = list(zip(*rows))
+        types = [pa.binary(), pa.binary(), pa.string(), pa.int32(), pa.int64(), pa.timestamp("us", tz="UTC"),
+                 pa.int32(), pa.int32()]
+        return pa.RecordBatch.from_arrays([pa.array(c, t) for c, t in zip(cols, types)],
+                                          schema=records.ARROW_SCHEMA)
+
+    def best(fn):
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn(msgs)
+            times.append(time.perf_counter() - t0)
+        return n / min(times)
+
+    return {"ours_rows_per_s": best(lambda m: records.to_record_batch(m, False)),
+            "naive_rows_per_s": best(naive)}
+
+
+def latency_bench(spark, kafka, seconds=20, rate=200):
+    """Default trigger, light paced load: produce -> foreachBatch latency, and commit -> acks confirmed."""
+    import spark_share
+    from confluent_kafka import Producer
+
+    kafka.create_topic("lat", 2)
+    lat = []
+    ck = tempfile.mkdtemp(prefix="bench-lat-")
+
+    def sink(df, batch_id):
+        now = time.time()
+        for r in df.select("value").collect():
+            lat.append(now - float(r[0]))
+
+    df = (spark.readStream.format("kafka-share").option("kafka.bootstrap.servers", kafka.bootstrap_servers)
+          .option("kafka.group.id", "lat").option("subscribe", "lat").option("pollTimeoutMs", "200").load())
+    q = df.writeStream.foreachBatch(sink).option("checkpointLocation", ck).start()
+    p = Producer({"bootstrap.servers": kafka.bootstrap_servers, "linger.ms": 0})
+    time.sleep(8)  # let the first batches (consumer join) pass before measuring
+    lat.clear()
+    t0 = time.time()
+    i = 0
+    while time.time() - t0 < seconds:
+        p.produce("lat", value=repr(time.time()).encode(), partition=i % 2)
+        p.poll(0)
+        i += 1
+        time.sleep(1.0 / rate)
+    p.flush(10)
+    time.sleep(3)
+    acks = []
+    for b in spark_share.status(q)["batches"]:
+        commit = os.path.join(ck, "commits", str(b["batch"]))
+        if b.get("acquired") and b.get("ackedAt") and os.path.exists(commit):
+            acks.append(b["ackedAt"] - os.path.getmtime(commit))
+    q.stop()
+    return {"e2e_p50_s": pct(lat, 50), "e2e_p99_s": pct(lat, 99), "e2e_samples": len(lat),
+            "ack_p50_ms": 1000 * pct(acks, 50), "ack_p99_ms": 1000 * pct(acks, 99), "ack_samples": len(acks)}
+
+
+def idle_bench(spark, kafka, seconds=60):
+    kafka.create_topic("idle", 2)
+    df = (spark.readStream.format("kafka-share").option("kafka.bootstrap.servers", kafka.bootstrap_servers)
+          .option("kafka.group.id", "idle").option("subscribe", "idle").load())
+    q = df.writeStream.format("noop").option("checkpointLocation", tempfile.mkdtemp(prefix="bench-idle-")).start()
+    time.sleep(10)  # past the first (probe) batch
+    runner = [p for p in psutil.process_iter(["cmdline"])
+              if any("python_streaming_source_runner" in c for c in (p.info["cmdline"] or []))]
+    cpu0 = sum(sum(p.cpu_times()[:2]) for p in runner)
+    b0 = q.lastProgress["batchId"] if q.lastProgress else 0
+    time.sleep(seconds)
+    b1 = q.lastProgress["batchId"]
+    cpu1 = sum(sum(p.cpu_times()[:2]) for p in runner)
+    q.stop()
+    return {"jobs_per_min": (b1 - b0) * 60.0 / seconds, "runner_cpu_percent": 100 * (cpu1 - cpu0) / seconds}
+
+
+def pct(xs, p):
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100.0 * (len(xs) - 1))))]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--records", type=int, default=100_000)
+    ap.add_argument("--partitions", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="bench-out")
+    ap.add_argument("--skip", default="", help="comma-separated sections to skip: throughput,scaling,latency,idle,decode")
+    args = ap.parse_args(argv)
+    skip = set(filter(None, args.skip.split(",")))
+    os.makedirs(args.out, exist_ok=True)
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    from pyspark.sql import SparkSession
+
+    import spark_share
+    from spark_share.embedded import EmbeddedKafka
+
+    results = {"machine": {"cores": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30)},
+               "records": args.records, "partitions": args.partitions}
+    if "decode" not in skip:
+        results["decode"] = decode_bench()
+        print("decode:", json.dumps(results["decode"]))
+    spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
+             .config("spark.ui.showConsoleProgress", "false").config("spark.sql.shuffle.partitions", "2").getOrCreate())
+    spark.sparkContext.setLogLevel("ERROR")
+    spark_share.register(spark)
+    tmp = tempfile.mkdtemp(prefix="bench-")
+    try:
+        for section, slot_list in (("throughput", [2]), ("scaling", [1, 2, 4])):
+            if section in skip:
+                continue
+            rows = []
+            for slots in slot_list:
+                for rep in range(args.repeats if section == "throughput" else 1):
+                    with EmbeddedKafka() as kafka:
+                        kafka.create_topic("t", args.partitions)
+                        keep = produce(kafka, "t", args.records, args.partitions)
+                        raw = raw_loop(kafka, "t", slots, args.records)
+                    with EmbeddedKafka() as kafka:
+                        kafka.create_topic("t", args.partitions)
+                        keep = produce(kafka, "t", args.records, args.partitions)  # noqa: F841
+                        ours = share_run(spark, kafka, "t", slots, args.records, tmp)
+                    row = {"slots": slots, "raw_rps": raw["records"] / raw["seconds"],
+                           "share_rps": ours["records"] / ours["seconds"],
+                           "share_busy_rps": ours["records"] / max(ours["busy_seconds"], 1e-9),
+                           "raw_cpu_per_m": raw["cpu"] / raw["records"] * 1e6,
+                           "share_cpu_per_m": ours["cpu"] / max(ours["records"], 1) * 1e6,
+                           "batches": ours["batches"], "records": ours["records"]}
+                    print(section, json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}),
+                          flush=True)
+                    rows.append(row)
+            results[section] = rows
+        if "latency" not in skip:
+            with EmbeddedKafka() as kafka:
+                results["latency"] = latency_bench(spark, kafka)
+            print("latency:", json.dumps(results["latency"]))
+        if "idle" not in skip:
+            with EmbeddedKafka() as kafka:
+                results["idle"] = idle_bench(spark, kafka)
+            print("idle:", json.dumps(results["idle"]))
+    finally:
+        spark.stop()
+    report(results, args.out)
+    return 0
+
+
+def report(results, out):
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    print("\n| measure | kafka-share | raw share consumer | ratio | target |")
+    print("|---|---|---|---|---|")
+    t = results.get("throughput")
+    if t:
+        share = statistics.median(r["share_rps"] for r in t)
+        busy = statistics.median(r["share_busy_rps"] for r in t)
+        raw = statistics.median(r["raw_rps"] for r in t)
+        print(f"| throughput, records/s (wall, incl. query start) | {share:,.0f} | {raw:,.0f} | {share / raw:.2f} | >= 0.90 |")
+        print(f"| throughput, records/s (inside batches) | {busy:,.0f} | {raw:,.0f} | {busy / raw:.2f} | >= 0.90 |")
+        sc = statistics.median(r["share_cpu_per_m"] for r in t)
+        rc = statistics.median(r["raw_cpu_per_m"] for r in t)
+        print(f"| CPU s per million records | {sc:,.1f} | {rc:,.1f} | {sc / rc:.2f} | <= 1.5 |")
+    d = results.get("decode")
+    if d:
+        print(f"| decode rows/s, one core (vs naive lists) | {d['ours_rows_per_s']:,.0f} | {d['naive_rows_per_s']:,.0f} "
+              f"| {d['ours_rows_per_s'] / d['naive_rows_per_s']:.2f} | >= 1M |")
+    lt = results.get("latency")
+    if lt:
+        print(f"| ack latency p50 / p99 (commit -> confirmed) | {lt['ack_p50_ms']:.0f} / {lt['ack_p99_ms']:.0f} ms | | | 50 / 250 ms |")
+        print(f"| end-to-end latency p50 / p99 | {lt['e2e_p50_s']:.2f} / {lt['e2e_p99_s']:.2f} s | | | p50 <= 1 s |")
+    idle = results.get("idle")
+    if idle:
+        print(f"| idle: Spark jobs per minute, runner CPU | {idle['jobs_per_min']:.1f}, {idle['runner_cpu_percent']:.1f} % | | | <= 12 |")
+    for r in results.get("scaling", []):
+        print(f"| scaling numPartitions={r['slots']}: records/s | {r['share_rps']:,.0f} | {r['raw_rps']:,.0f} | "
+              f"{r['share_rps'] / r['raw_rps']:.2f} | |")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no plots; pip install 'spark-share[bench]')")
+        return
+    if results.get("scaling"):
+        sc = results["scaling"]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        xs = [r["slots"] for r in sc]
+        ax.plot(xs, [r["raw_rps"] for r in sc], "o-", label="raw ShareConsumer loop")
+        ax.plot(xs, [r["share_rps"] for r in sc], "o-", label="kafka-share -> noop (wall)")
+        ax.plot(xs, [r["share_busy_rps"] for r in sc], "o--", label="kafka-share (inside batches)")
+        ax.set_xlabel("consumers (numPartitions)")
+        ax.set_ylabel("records/s")
+        ax.set_title("Throughput on the embedded broker")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, "throughput.png"))
+    if results.get("throughput"):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        t = results["throughput"]
+        ax.bar(["raw", "kafka-share"], [statistics.median(r["raw_cpu_per_m"] for r in t),
+                                        statistics.median(r["share_cpu_per_m"] for r in t)])
+        ax.set_ylabel("CPU seconds per million records")
+        ax.set_title("CPU cost")
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, "cpu.png"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
