@@ -76,24 +76,31 @@ class CpuSampler:
     def __init__(self):
         self.last = {}
         self.first = {}
+        self.kind = {}
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._loop, daemon=True)
 
     @staticmethod
     def ours(p):
         cmd = " ".join(p.info["cmdline"] or [])
-        return ("spark_share.agent" in cmd or "python_streaming_source_runner" in cmd or "pyspark.daemon" in cmd
-                or "pyspark/daemon" in cmd or "pyspark.worker" in cmd)
+        for needle, kind in (("spark_share.agent", "agent"), ("python_streaming_source_runner", "runner"),
+                             ("pyspark.daemon", "python workers"), ("pyspark/daemon", "python workers"),
+                             ("pyspark.worker", "python workers")):
+            if needle in cmd:
+                return kind
+        return None
 
     def _loop(self):
         while not self._stop.is_set():
             for p in psutil.process_iter(["cmdline"]):
                 try:
-                    if self.ours(p):
+                    kind = self.ours(p)
+                    if kind:
                         t = p.cpu_times()
                         v = t.user + t.system
                         self.first.setdefault(p.pid, v)
                         self.last[p.pid] = v
+                        self.kind[p.pid] = kind
                 except psutil.Error:
                     continue
             self._stop.wait(0.1)
@@ -109,6 +116,13 @@ class CpuSampler:
     @property
     def seconds(self):
         return sum(self.last[p] - self.first.get(p, 0) for p in self.last)
+
+    @property
+    def by_kind(self):
+        out = {}
+        for p in self.last:
+            out[self.kind[p]] = out.get(self.kind[p], 0) + self.last[p] - self.first.get(p, 0)
+        return out
 
 
 def raw_loop(kafka, topic, consumers, n):
@@ -132,7 +146,8 @@ def share_run(spark, kafka, topic, slots, n, tmp):
     prog = [p for p in q.recentProgress if p["numInputRows"]]
     rows = sum(p["numInputRows"] for p in prog)
     busy = sum(p["durationMs"]["triggerExecution"] for p in prog) / 1000.0
-    return {"seconds": wall, "busy_seconds": busy, "records": rows, "batches": len(prog), "cpu": cpu.seconds}
+    return {"seconds": wall, "busy_seconds": busy, "records": rows, "batches": len(prog), "cpu": cpu.seconds,
+            "cpu_by_process": cpu.by_kind}
 
 
 def decode_bench(n=300_000, repeats=3):
@@ -274,7 +289,8 @@ def main(argv=None):
                            "share_busy_rps": ours["records"] / max(ours["busy_seconds"], 1e-9),
                            "raw_cpu_per_m": raw["cpu"] / raw["records"] * 1e6,
                            "share_cpu_per_m": ours["cpu"] / max(ours["records"], 1) * 1e6,
-                           "batches": ours["batches"], "records": ours["records"]}
+                           "batches": ours["batches"], "records": ours["records"],
+                           "cpu_by_process": {k: round(v, 2) for k, v in ours["cpu_by_process"].items()}}
                     print(section, json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}),
                           flush=True)
                     rows.append(row)

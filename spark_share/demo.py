@@ -5,4 +5,4 @@ from __future__ import annotations
 def main(argv=None) -> int:
     from .job import main as job_main
 
-    return job_main(argv)
+    return job_main(argv, prog="spark-share demo")

@@ -277,8 +277,8 @@ def demo_config(bootstrap: str, base: str) -> JobConfig:
     })
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="queue_to_table", description="Drain a Kafka share group into a Parquet table.")
+def main(argv=None, prog: str = "queue_to_table.py") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description="Drain a Kafka share group into a Parquet table.")
     ap.add_argument("--config", help="JSON config (see conf/); without it, run on the embedded broker")
     ap.add_argument("--records", type=int, default=20000, help="synthetic orders for the embedded run")
     ap.add_argument("--out", help="output directory for the embedded run (default: a new temporary directory)")

@@ -471,7 +471,8 @@ def _cli(*args, **kw):
     return subprocess.Popen([sys.executable, "-m", "spark_share.cli", *args], cwd=REPO, text=True, **kw)
 
 
-def test_broker_command_serves_until_interrupted():
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_broker_command_serves_until_interrupted(sig):
     proc = _cli("broker", "--topic", "t:2", stdout=subprocess.PIPE)
     p = c = None
     try:
@@ -493,7 +494,7 @@ def test_broker_command_serves_until_interrupted():
         assert set(codes(c.commit_sync(10)).values()) == {None}
         c.close()
         c = None
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         assert proc.wait(timeout=15) == 0
         assert "stopped" in proc.stdout.read()
     finally:
