@@ -249,6 +249,8 @@ def main(argv=None):
     ap.add_argument("--partitions", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="bench-out")
+    ap.add_argument("--max-record-locks", type=int, default=2000,
+                    help="the broker's per-partition in-flight limit (Kafka's group.share.partition.max.record.locks)")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip: throughput,scaling,latency,idle,decode")
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
@@ -260,7 +262,7 @@ def main(argv=None):
     from spark_share.embedded import EmbeddedKafka
 
     results = {"machine": {"cores": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30)},
-               "records": args.records, "partitions": args.partitions}
+               "records": args.records, "partitions": args.partitions, "max_record_locks": args.max_record_locks}
     if "decode" not in skip:
         results["decode"] = decode_bench()
         print("decode:", json.dumps(results["decode"]))
@@ -277,10 +279,12 @@ def main(argv=None):
             for slots in slot_list:
                 for rep in range(args.repeats if section == "throughput" else 1):
                     with EmbeddedKafka() as kafka:
+                        kafka.set_max_record_locks(args.max_record_locks)
                         kafka.create_topic("t", args.partitions)
                         keep = produce(kafka, "t", args.records, args.partitions)
                         raw = raw_loop(kafka, "t", slots, args.records)
                     with EmbeddedKafka() as kafka:
+                        kafka.set_max_record_locks(args.max_record_locks)
                         kafka.create_topic("t", args.partitions)
                         keep = produce(kafka, "t", args.records, args.partitions)  # noqa: F841
                         ours = share_run(spark, kafka, "t", slots, args.records, tmp)

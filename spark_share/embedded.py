@@ -68,6 +68,7 @@ _SIGNATURES = {
     "rd_kafka_mock_sharegroup_set_max_delivery_attempts": ([ctypes.c_void_p, ctypes.c_int], None),
     "rd_kafka_mock_sharegroup_set_session_timeout": ([ctypes.c_void_p, ctypes.c_int], None),
     "rd_kafka_mock_sharegroup_set_heartbeat_interval": ([ctypes.c_void_p, ctypes.c_int], None),
+    "rd_kafka_mock_sharegroup_set_max_record_locks": ([ctypes.c_void_p, ctypes.c_int], None),
     "rd_kafka_mock_push_request_errors_array": ([ctypes.c_void_p, ctypes.c_int16, ctypes.c_size_t, ctypes.POINTER(ctypes.c_int)], None),
     "rd_kafka_mock_partition_push_request_errors": ([ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int32, ctypes.c_int16, ctypes.c_size_t], None),
     "rd_kafka_mock_broker_push_request_error_rtts": ([ctypes.c_void_p, ctypes.c_int32, ctypes.c_int16, ctypes.c_size_t], ctypes.c_int),
@@ -205,6 +206,11 @@ class EmbeddedKafka:
 
     def set_session_timeout(self, ms: int) -> None:
         self._lib.rd_kafka_mock_sharegroup_set_session_timeout(self._cluster(), int(ms))
+
+    def set_max_record_locks(self, locks: int) -> None:
+        """Records of one partition a share group may hold acquired at once (Kafka's
+        group.share.partition.max.record.locks, 2000 by default): the cap on a batch's size."""
+        self._lib.rd_kafka_mock_sharegroup_set_max_record_locks(self._cluster(), int(locks))
 
     def set_heartbeat_interval(self, ms: int) -> None:
         self._lib.rd_kafka_mock_sharegroup_set_heartbeat_interval(self._cluster(), int(ms))

@@ -47,14 +47,9 @@ Acquired = Dict[str, Dict[int, List[int]]]
 def to_record_batch(msgs: Sequence, include_headers: bool) -> Tuple[pa.RecordBatch, Acquired, List[Tuple]]:
     """Convert one poll's messages. Returns the batch, the acquired offsets, and the errors
     (``(topic, partition, offset, error)`` for messages that carried an error instead of data)."""
-    good = []
-    errors = []
-    for m in msgs:
-        err = m.error()
-        if err is None:
-            good.append(m)
-        else:
-            errors.append((m.topic(), m.partition(), m.offset(), err))
+    good = [m for m in msgs if m.error() is None]
+    errors = [(m.topic(), m.partition(), m.offset(), m.error()) for m in msgs if m.error() is not None] \
+        if len(good) != len(msgs) else []
     n = len(good)
     keys = [m.key() for m in good]
     values = [m.value() for m in good]
@@ -81,9 +76,13 @@ def to_record_batch(msgs: Sequence, include_headers: bool) -> Tuple[pa.RecordBat
         hs = [m.headers() for m in good]
         cols.append(pa.array([[{"key": k, "value": v} for k, v in h] if h else [] for h in hs], _HEADER_TYPE))
     batch = pa.RecordBatch.from_arrays(cols, schema=arrow_schema(include_headers))
+    # Group the offsets per partition in Arrow rather than in a Python loop.
     acquired: Acquired = {}
-    for t, p, o in zip(topics, parts, offsets):
-        acquired.setdefault(t, {}).setdefault(p, []).append(o)
+    if n:
+        grouped = (pa.Table.from_arrays([cols[2], cols[3], cols[4]], names=["t", "p", "o"])
+                   .group_by(["t", "p"], use_threads=False).aggregate([("o", "list")]))
+        for t, p, offs in zip(grouped["t"].to_pylist(), grouped["p"].to_pylist(), grouped["o_list"].to_pylist()):
+            acquired.setdefault(t, {})[p] = offs
     assert batch.num_rows == n
     return batch, acquired, errors
 

@@ -32,6 +32,9 @@ from .session import ACCEPT, RELEASE, REJECT, AckOutcome
 log = logging.getLogger("spark_share.tracker")
 
 
+AVAILABLE_NOW_EMPTY_RETRIES = 5
+
+
 class SourceError(RuntimeError):
     """A problem with the source's setup that the user must fix (topic, broker, options)."""
 
@@ -204,6 +207,8 @@ class Tracker:
         self.last_plan_hw_version = -1
         self.planned_any = False
         self.available_now_target: Optional[Dict[Tuple[str, int], int]] = None
+        self.max_seen: Dict[Tuple[str, int], int] = {}  # highest offset acquired per partition in this run
+        self.empty_streak = 0
         self.totals = AckOutcome()
         # Records per slot that fit in the record lock; lowered whenever a batch's locks expire.
         self.lock_safe_records: Optional[int] = None
@@ -308,6 +313,7 @@ class Tracker:
                     k = (t, int(p))
                     lo = runs[0][0]
                     b.min_offsets[k] = min(lo, b.min_offsets.get(k, lo))
+                    self.max_seen[k] = max(runs[-1][1], self.max_seen.get(k, -1))
             limit = self.opts.max_delivery_count
             for t, p, o, count in req.get("poison") or ():
                 b.verdicts[(t, int(p), int(o))] = (REJECT, f"deliveryCount {count} reached maxDeliveryCount {limit}")
@@ -382,7 +388,13 @@ class Tracker:
                 if not self.planned_any:
                     return True
                 if last is None or last.rows == 0:
-                    return False
+                    # An empty poll can be a slow broker, not an empty queue: go on (a few times) while a
+                    # partition this run has been reading still has records below the start's watermark.
+                    self.empty_streak += 1
+                    target = self.available_now_target
+                    behind = [tp for tp, seen in self.max_seen.items() if seen < target.get(tp, 0) - 1]
+                    return bool(behind) and self.empty_streak <= AVAILABLE_NOW_EMPTY_RETRIES
+                self.empty_streak = 0
                 # Stop once a batch brought only records produced after the run started.
                 target = self.available_now_target
                 return any(lo < target.get(tp, 0) for tp, lo in last.min_offsets.items())

@@ -113,6 +113,7 @@ def test_row5_agent_killed_while_holding_records(spark, kafka, tmp_path):
     back to the group (released when its connections drop, or when their 5 s locks expire) and are
     delivered again to a new agent."""
     kafka.set_record_lock_duration(5000)
+    kafka.set_session_timeout(6000)  # the dead agent's members leave the group (and its partitions) sooner
     w = Workload(kafka, "r5", partitions=2)
     w.produce(200)
     killed = []
