@@ -14,16 +14,7 @@ from typing import Dict, Iterable, List, Optional
 import psutil
 from confluent_kafka import AcknowledgeType, Producer, ShareConsumer
 
-
-def wait_until(predicate, timeout: float, interval: float = 0.05, message: str = "condition not met"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"{message} (waited {timeout} s)")
-        time.sleep(interval)
+from helpers import wait_until  # noqa: F401  (re-exported for the source tests)
 
 
 class Workload:
