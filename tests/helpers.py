@@ -44,7 +44,7 @@ class ProducerPool:
         bootstrap = kafka if isinstance(kafka, str) else kafka.bootstrap_servers
         p = self._producers.get(bootstrap)
         if p is None:
-            p = self._producers[bootstrap] = Producer({"bootstrap.servers": bootstrap, "linger.ms": 2})
+            p = self._producers[bootstrap] = Producer({"bootstrap.servers": bootstrap, "linger.ms": 2, "log_level": 2})
         return p
 
     def produce(self, kafka, topic: str, values_or_count: Union[int, Iterable], partitions: Optional[int] = None,

@@ -28,7 +28,8 @@ class Workload:
         self.partitions = partitions
         if create:
             kafka.create_topic(topic, partitions)
-        self.producer = Producer({"bootstrap.servers": kafka.bootstrap_servers, "linger.ms": 5})
+        self.producer = Producer({"bootstrap.servers": kafka.bootstrap_servers, "linger.ms": 5,
+                                  "log_level": 2})  # quiet after the broker is gone: callbacks may outlive tests
         self.ids: List[int] = []
         self._next = 0
 

@@ -369,7 +369,7 @@ def test_headers_null_keys_and_large_values(spark, kafka, tmp_path):
     from confluent_kafka import Producer
 
     kafka.create_topic("odd", 1)
-    p = Producer({"bootstrap.servers": kafka.bootstrap_servers, "message.max.bytes": 2_000_000})
+    p = Producer({"bootstrap.servers": kafka.bootstrap_servers, "message.max.bytes": 2_000_000, "log_level": 2})
     p.produce("odd", key=None, value=None)
     p.produce("odd", key=b"", value=b"")
     p.produce("odd", key=b"big", value=b"x" * ((1 << 20) - 1024))  # the broker's limit is 1 MiB per batch

@@ -74,7 +74,7 @@ def test_dead_letter_topic_gets_original_record_and_reason_headers(spark, kafka,
 
     kafka.create_topic("in", 1)
     kafka.create_topic("dead", 1)
-    p = Producer({"bootstrap.servers": kafka.bootstrap_servers})
+    p = Producer({"bootstrap.servers": kafka.bootstrap_servers, "log_level": 2})
     for i in range(20):
         p.produce("in", key=f"k{i}".encode(), value=b"{bad" if i % 5 == 0 else json.dumps({"id": i}).encode(),
                   headers=[("trace", f"t{i}".encode())])
