@@ -52,11 +52,20 @@ class BatchState:
     committed_at: Optional[float] = None
     acked_at: Optional[float] = None
     outcome: AckOutcome = field(default_factory=AckOutcome)
-    min_offsets: Dict[Tuple[str, int], int] = field(default_factory=dict)
 
     @property
     def rows(self) -> int:
         return sum(a.get("rows", 0) for a in self.acquired.values())
+
+    def min_offsets(self) -> Dict[Tuple[str, int], int]:
+        """Lowest offset acquired per partition (offsets arrive as sorted [first, last] runs)."""
+        out: Dict[Tuple[str, int], int] = {}
+        for a in self.acquired.values():
+            for t, parts in a.get("offsets", {}).items():
+                for p, runs in parts.items():
+                    k = (t, int(p))
+                    out[k] = min(runs[0][0], out.get(k, runs[0][0]))
+        return out
 
     def holds(self, topic: str, partition: int, offset: int) -> bool:
         for a in self.acquired.values():
@@ -311,8 +320,6 @@ class Tracker:
             for t, parts in (req.get("offsets") or {}).items():
                 for p, runs in parts.items():
                     k = (t, int(p))
-                    lo = runs[0][0]
-                    b.min_offsets[k] = min(lo, b.min_offsets.get(k, lo))
                     self.max_seen[k] = max(runs[-1][1], self.max_seen.get(k, -1))
             limit = self.opts.max_delivery_count
             for t, p, o, count in req.get("poison") or ():
@@ -397,7 +404,7 @@ class Tracker:
                 self.empty_streak = 0
                 # Stop once a batch brought only records produced after the run started.
                 target = self.available_now_target
-                return any(lo < target.get(tp, 0) for tp, lo in last.min_offsets.items())
+                return any(lo < target.get(tp, 0) for tp, lo in last.min_offsets().items())
             if not self.planned_any:
                 return True
             if last is not None and (last.rows or last.outcome.released or last.outcome.failed

@@ -249,15 +249,12 @@ def connect(address, secret: str, handler: Optional[Handler] = None, timeout: fl
 class RpcServer:
     """Accepts authenticated connections on a TCP (host, port) or a Unix socket path.
 
-    Peers that fail the handshake are refused and logged (without the secret); accepted
-    connections are handed to ``on_connect`` as RpcConnections.
+    Peers that fail the handshake are refused and logged (without the secret).
     """
 
-    def __init__(self, address, secret: str, handler: Handler, name: str = "server",
-                 on_connect=None, on_close=None):
+    def __init__(self, address, secret: str, handler: Handler, name: str = "server", on_close=None):
         self._secret = secret
         self._handler = handler
-        self._on_connect = on_connect
         self._on_close = on_close
         self.name = name
         self.refused = 0
@@ -308,8 +305,6 @@ class RpcServer:
         rpc = RpcConnection(conn, self._handler, on_close=self._closed, name=self.name, workers=8)
         with self._lock:
             self.connections.append(rpc)
-        if self._on_connect:
-            self._on_connect(rpc)
 
     def _closed(self, rpc: RpcConnection) -> None:
         with self._lock:

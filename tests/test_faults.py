@@ -118,13 +118,12 @@ def test_row5_agent_killed_while_holding_records(spark, kafka, tmp_path):
     w.produce(200)
     killed = []
 
-    def kill_agent(df, batch_id):
-        collector(df, batch_id)
+    def kill_agent(df, batch_id, rows):
         if batch_id == 0:
             killed.append(kill(agent_processes()))
 
-    collector = BatchCollector()
-    q = (read_stream(spark, kafka, gid(), "r5", idleProbeIntervalMs=1000).writeStream.foreachBatch(kill_agent)
+    collector = BatchCollector(after=kill_agent)
+    q = (read_stream(spark, kafka, gid(), "r5", idleProbeIntervalMs=1000).writeStream.foreachBatch(collector)
          .option("checkpointLocation", str(tmp_path / "ck")).start())
     try:
         wait_until(lambda: 0 in collector.batches and len(collector.rows) >= 2 * len(collector.batches[0]),
@@ -169,13 +168,12 @@ def test_row8_share_acknowledge_errors(spark, kafka, tmp_path):
     w = Workload(kafka, "r8", partitions=1)
     w.produce(100)
 
-    def process(df, batch_id):
-        collector(df, batch_id)
+    def fail_the_ack(df, batch_id, rows):
         if batch_id == 0:
             kafka.push_request_errors("ShareAcknowledge", [29])
 
-    collector = BatchCollector()
-    q = run_available_now(spark, kafka, gid(), "r8", process, str(tmp_path / "ck"))
+    collector = BatchCollector(after=fail_the_ack)
+    q = run_available_now(spark, kafka, gid(), "r8", collector, str(tmp_path / "ck"))
     assert q.exception() is None
     report = check_no_loss(w.ids, collector.ids, duplicates_reason="batch 0 came back after its ack failed")
     assert report.duplicates == 100
@@ -190,16 +188,15 @@ def test_row9_broker_down_while_records_are_acquired(spark, kafka, tmp_path):
     w.produce(200)
     timers = []
 
-    def process(df, batch_id):
-        collector(df, batch_id)
+    def outage(df, batch_id, rows):
         if batch_id == 0:
             kafka.broker_down(1)
             t = threading.Timer(3.0, kafka.broker_up, args=(1,))  # the outage lasts 3 s
             t.start()
             timers.append(t)
 
-    collector = BatchCollector()
-    q = run_available_now(spark, kafka, gid(), "r9", process, str(tmp_path / "ck"), ackTimeoutMs=10000)
+    collector = BatchCollector(after=outage)
+    q = run_available_now(spark, kafka, gid(), "r9", collector, str(tmp_path / "ck"), ackTimeoutMs=10000)
     for t in timers:
         t.join()
     assert q.exception() is None
