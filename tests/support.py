@@ -145,6 +145,13 @@ def agent_processes(tracker_id: Optional[str] = None) -> List[psutil.Process]:
     return out
 
 
+def batch_agents(df) -> List[psutil.Process]:
+    """The agents of the query whose batch ``df`` is (called inside foreachBatch): other tests'
+    agents may still be shutting down."""
+    qid = df.sparkSession.sparkContext.getLocalProperty("sql.streaming.queryId")
+    return agent_processes(registry(qid)["tracker_id"])
+
+
 def _agent_tracker(p) -> Optional[str]:
     try:
         for f in p.open_files():

@@ -18,7 +18,7 @@ import pytest
 import spark_share
 from spark_share.agent import runtime_dir
 from spark_share.embedded import EmbeddedKafka
-from support import (BatchCollector, Workload, agent_processes, check_no_loss, ids_of, kill, python_workers,
+from support import (BatchCollector, Workload, agent_processes, batch_agents, check_no_loss, ids_of, kill, python_workers,
                      read_stream, registry, wait_until)
 
 pytestmark = pytest.mark.slow
@@ -73,7 +73,7 @@ def test_row3_driver_side_killed_holding_records(spark, kafka, tmp_path):
 
     def kill_runner(df, batch_id):
         df.count()
-        state["agents"] = {p.pid for p in agent_processes()}
+        state["agents"] = {p.pid for p in batch_agents(df)}
         state["killed"] = kill(runner_processes())
 
     q = (read_stream(spark, kafka, group, "r3").writeStream.foreachBatch(kill_runner)
@@ -120,7 +120,7 @@ def test_row5_agent_killed_while_holding_records(spark, kafka, tmp_path):
 
     def kill_agent(df, batch_id, rows):
         if batch_id == 0:
-            killed.append(kill(agent_processes()))
+            killed.append(kill(batch_agents(df)))
 
     collector = BatchCollector(after=kill_agent)
     q = (read_stream(spark, kafka, gid(), "r5", idleProbeIntervalMs=1000).writeStream.foreachBatch(collector)

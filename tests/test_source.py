@@ -17,7 +17,7 @@ from pyspark.sql import functions as F
 import spark_share
 from spark_share import wire
 from spark_share.agent import agent_socket_path, runtime_dir
-from support import (BatchCollector, Workload, agent_processes, check_no_loss, drain_share_group, ids_of, kill,
+from support import (BatchCollector, Workload, agent_processes, batch_agents, check_no_loss, drain_share_group, ids_of, kill,
                      python_workers, read_stream, registry, wait_until)
 
 
@@ -162,11 +162,11 @@ def test_consumers_outlive_killed_python_workers(spark, kafka, tmp_path):
 
     def kill_workers_between_actions(df, batch_id):
         first = sorted((r["partition"], r["offset"]) for r in df.collect())
-        agents.append({p.pid for p in agent_processes()})
+        agents.append({p.pid for p in batch_agents(df)})
         killed.append(kill(python_workers()))
         second = sorted((r["partition"], r["offset"]) for r in df.collect())
         assert first == second
-        agents.append({p.pid for p in agent_processes()})
+        agents.append({p.pid for p in batch_agents(df)})
         collector(df, batch_id)
 
     collector = BatchCollector()
