@@ -34,7 +34,8 @@ log = logging.getLogger("spark_share.agent")
 
 SPAWN_TIMEOUT_S = 60.0
 # A new share consumer must join the group before records flow (a heartbeat interval on a real
-# broker); its first poll waits at least this long so an AvailableNow run does not end early.
+# broker); its first poll does not give up before it is this old, so an AvailableNow run does not
+# end early.
 FIRST_POLL_MIN_MS = 5000
 JOIN_SETTLE_S = 1.0
 
@@ -159,6 +160,15 @@ def _ranges(offsets: List[int]) -> List[List[int]]:
     return out
 
 
+def _redelivered(rb) -> int:
+    """Rows of a poll that the group delivered before (deliveryCount > 1)."""
+    if not rb.num_rows:
+        return 0
+    import pyarrow.compute as pc
+
+    return int(pc.sum(pc.greater(rb.column("deliveryCount"), 1)).as_py() or 0)
+
+
 class Agent:
     def __init__(self, tracker_addr, tracker_id: str, secret: str):
         self.tracker_id = tracker_id
@@ -168,6 +178,7 @@ class Agent:
         self._resize_lock = threading.Lock()
         self._sessions: List = []
         self._reserved: set = set()
+        self._last_taken: Dict[str, Tuple[int, float]] = {}  # session id -> (batch, when) of its last poll
         self._cache: Dict[Tuple[int, int], Cached] = {}
         self._inflight: Dict[Tuple[int, int], threading.Event] = {}
         self._session_seq = 0
@@ -241,9 +252,12 @@ class Agent:
                 # Another host acquired this (batch, slot): relay its cached rows through the tracker.
                 rep, ipc = self.tracker.call({"op": "fetch", "batch": batch, "slot": slot}, timeout=120)
                 return {"rows": rep.get("rows", 0), "cached": True, "relayed": True}, ipc
-            session = self._take_session(max_records)
+            session = self._take_session(batch, max_records)
             try:
-                budget = poll_timeout_ms if session.polls else max(poll_timeout_ms, FIRST_POLL_MIN_MS)
+                budget = poll_timeout_ms
+                if not session.polls:  # counted from the session's start: it joins without polling
+                    age_ms = (time.monotonic() - session.created_at) * 1000
+                    budget = max(budget, int(FIRST_POLL_MIN_MS - age_ms))
                 rb, holding = session.poll(batch, slot, max_records, budget).result()
             except BaseException:
                 self._give_back(session)
@@ -260,6 +274,7 @@ class Agent:
             # Synchronous: the tracker knows what this batch holds before any row reaches Spark.
             self.tracker.call({"op": "acquired", "batch": batch, "slot": slot, "session": session.session_id,
                                "rows": rb.num_rows, "acquired_at": holding.acquired_at, "poison": poison,
+                               "redelivered": _redelivered(rb),
                                "offsets": {t: {str(p): _ranges(o) for p, o in parts.items()}
                                            for t, parts in acquired.items()}}, timeout=60)
             return {"rows": out.num_rows, "cached": False}, ipc
@@ -287,8 +302,13 @@ class Agent:
             rb = rb.drop_columns(["headers"])
         return rb, poison
 
-    def _take_session(self, max_records: Optional[int]):
+    def _take_session(self, batch: int, max_records: Optional[int]):
         """Reserve a free session whose polls are no bigger than ``max_records``.
+
+        Sessions not yet polled in this batch come first, then the longest unpolled: the broker
+        gives each member its own partitions, so a session that is never polled leaves its
+        partitions unread (an empty poll frees a session at once, and reusing it for the next slot
+        starved the others and ended AvailableNow runs early).
 
         When the tracker lowers the batch size (after lock expiry), every free session is replaced
         by one with a smaller max.poll.records, all at once: trimming a bigger poll would mean
@@ -299,6 +319,7 @@ class Agent:
                 if max_records is not None and any(s.max_poll_records > max_records for s in free):
                     for s in free:
                         self._sessions.remove(s)
+                        self._last_taken.pop(s.session_id, None)
                     stale = free
                     free = []
                 else:
@@ -308,16 +329,26 @@ class Agent:
                 self._start_sessions(len(stale), max_records)
                 log.info("agent %s: batch size lowered: polls now take at most %d records", self.agent_id, max_records)
             with self._lock:
-                for s in self._sessions:
-                    if s not in self._reserved and not s.busy and (max_records is None or s.max_poll_records <= max_records):
-                        self._reserved.add(s)
-                        return s
+                fits = [s for s in self._sessions if s not in self._reserved and not s.busy
+                        and (max_records is None or s.max_poll_records <= max_records)]
+                if fits:
+                    s = min(fits, key=lambda s: self._poll_order(s, batch))
+                    self._reserve(s, batch)
+                    return s
         s = self._new_session(max_records)
         with self._lock:
             self._sessions.append(s)
-            self._reserved.add(s)
+            self._reserve(s, batch)
         log.info("agent %s: started share session %s", self.agent_id, s.session_id)
         return s
+
+    def _poll_order(self, session, batch: int) -> Tuple[bool, float]:
+        last_batch, when = self._last_taken.get(session.session_id, (-1, 0.0))
+        return last_batch == batch, when
+
+    def _reserve(self, session, batch: int) -> None:
+        self._reserved.add(session)
+        self._last_taken[session.session_id] = (batch, time.monotonic())
 
     def _give_back(self, session) -> None:
         with self._lock:

@@ -80,6 +80,7 @@ class ShareSession:
         self.include_headers = include_headers
         self.holding: Optional[Holding] = None
         self.polls = 0
+        self.created_at = time.monotonic()
         self._scrub = scrub
         self._queue: "queue.Queue[Optional[Tuple[Callable, Future]]]" = queue.Queue()
         self._closed = False

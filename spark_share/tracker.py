@@ -218,6 +218,9 @@ class Tracker:
         self.available_now_target: Optional[Dict[Tuple[str, int], int]] = None
         self.max_seen: Dict[Tuple[str, int], int] = {}  # highest offset acquired per partition in this run
         self.empty_streak = 0
+        # Records this AvailableNow run gave back (released, failed or expired acks) and has not seen
+        # again: an empty batch does not end the run while some are due (a few times, as above).
+        self.redeliveries_due = 0
         self.totals = AckOutcome()
         # Records per slot that fit in the record lock; lowered whenever a batch's locks expire.
         self.lock_safe_records: Optional[int] = None
@@ -328,6 +331,7 @@ class Tracker:
                 log.warning("batch %d: %d records reached maxDeliveryCount %s; they are rejected to the dead-letter "
                             "target instead of being processed again", batch, len(req["poison"]), limit)
             self.total_acquired += int(req.get("rows", 0))
+            self.redeliveries_due = max(0, self.redeliveries_due - int(req.get("redelivered", 0)))
         return {"ok": True}
 
     def _relay(self, req: dict):
@@ -400,7 +404,8 @@ class Tracker:
                     self.empty_streak += 1
                     target = self.available_now_target
                     behind = [tp for tp, seen in self.max_seen.items() if seen < target.get(tp, 0) - 1]
-                    return bool(behind) and self.empty_streak <= AVAILABLE_NOW_EMPTY_RETRIES
+                    due = bool(behind) or self.redeliveries_due > 0
+                    return due and self.empty_streak <= AVAILABLE_NOW_EMPTY_RETRIES
                 self.empty_streak = 0
                 # Stop once a batch brought only records produced after the run started.
                 target = self.available_now_target
@@ -491,6 +496,8 @@ class Tracker:
             b.acked_at = time.time()
             b.state = "acked" if default == ACCEPT else "released"
             self.totals.add(b.outcome)
+            if self.available_now_target is not None:
+                self.redeliveries_due += b.outcome.released + b.outcome.failed + b.outcome.expired
             if b.outcome.expired:
                 # The batch outlived the record lock: halve what one consumer may take per batch.
                 biggest = max((a.get("rows", 0) for a in b.acquired.values()), default=1)

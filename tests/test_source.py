@@ -285,6 +285,50 @@ def test_latest_offset_makes_no_broker_call(kafka):
         reader.stop()
 
 
+def test_available_now_waits_for_records_it_gave_back(kafka):
+    # A run whose batch gave records back (released, failed or expired acks) does not end on the
+    # first empty batch after it: the redelivery may still be on its way (a fetch in flight).
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from spark_share.options import parse_options
+    from spark_share.tracker import AVAILABLE_NOW_EMPTY_RETRIES, Tracker
+
+    w = Workload(kafka, "given-back", partitions=1)
+    w.produce(10)
+    t = Tracker(parse_options({"kafka.bootstrap.servers": kafka.bootstrap_servers, "kafka.group.id": "g",
+                               "subscribe": "given-back"}))
+    verdict = {}  # batch -> what the agent reports its acknowledgement did
+
+    def ack(req):
+        f = Future()
+        f.set_result(({"slots": {"0": verdict[req["batch"]]}}, b""))
+        return f
+
+    agent = SimpleNamespace(info={"agent_id": "a1"}, call_async=ack)
+    t.agents["a1"] = agent
+
+    def batch(n, rows=0, redelivered=0, **outcome):
+        t.plan(n, None)
+        verdict[n] = outcome
+        if rows:
+            t._acquired(agent, {"batch": n, "slot": 0, "rows": rows, "redelivered": redelivered,
+                                "offsets": {"given-back": {"0": [[0, rows - 1]]}}})
+        t.batch_committed(n)
+        return t.should_run(n)
+
+    try:
+        t.prepare_available_now()
+        assert batch(0, rows=10, accepted=7, released=3)
+        assert [batch(n) for n in range(1, AVAILABLE_NOW_EMPTY_RETRIES + 2)] == \
+            [True] * AVAILABLE_NOW_EMPTY_RETRIES + [False]  # bounded: the broker may archive them
+        assert batch(10, rows=3, redelivered=3, accepted=3)
+        assert not batch(11)  # nothing left to come back, nothing below the start's watermark
+    finally:
+        t.agents.clear()
+        t.shutdown()
+
+
 def test_sockets_refuse_peers_without_the_secret(spark, kafka, tmp_path):
     w = Workload(kafka, "secure", partitions=1)
     w.produce(20)
