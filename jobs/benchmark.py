@@ -141,13 +141,19 @@ def share_run(spark, kafka, topic, slots, n, tmp):
         t0 = time.perf_counter()
         q = (df.writeStream.format("noop").option("checkpointLocation", os.path.join(tmp, uuid.uuid4().hex))
              .trigger(availableNow=True).start())
-        q.awaitTermination()
+        first = None  # (time, cpu) when the first batch (query, agent and consumer start-up) is done
+        while not q.awaitTermination(0.02):
+            if first is None and q.recentProgress:
+                first = (time.perf_counter(), cpu.seconds)
         wall = time.perf_counter() - t0
     prog = [p for p in q.recentProgress if p["numInputRows"]]
     rows = sum(p["numInputRows"] for p in prog)
     busy = sum(p["durationMs"]["triggerExecution"] for p in prog) / 1000.0
+    after_first = rows - (prog[0]["numInputRows"] if prog else 0)
+    first = first or (t0, 0.0)
     return {"seconds": wall, "busy_seconds": busy, "records": rows, "batches": len(prog), "cpu": cpu.seconds,
-            "cpu_by_process": cpu.by_kind}
+            "cpu_by_process": cpu.by_kind, "steady_records": after_first,
+            "steady_seconds": time.perf_counter() - first[0], "steady_cpu": cpu.seconds - first[1]}
 
 
 def decode_bench(n=300_000, repeats=3):
@@ -293,6 +299,8 @@ def main(argv=None):
                            "share_busy_rps": ours["records"] / max(ours["busy_seconds"], 1e-9),
                            "raw_cpu_per_m": raw["cpu"] / raw["records"] * 1e6,
                            "share_cpu_per_m": ours["cpu"] / max(ours["records"], 1) * 1e6,
+                           "share_steady_rps": ours["steady_records"] / max(ours["steady_seconds"], 1e-9),
+                           "share_steady_cpu_per_m": ours["steady_cpu"] / max(ours["steady_records"], 1) * 1e6,
                            "batches": ours["batches"], "records": ours["records"],
                            "cpu_by_process": {k: round(v, 2) for k, v in ours["cpu_by_process"].items()}}
                     print(section, json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}),
@@ -325,9 +333,13 @@ def report(results, out):
         raw = statistics.median(r["raw_rps"] for r in t)
         print(f"| throughput, records/s (wall, incl. query start) | {share:,.0f} | {raw:,.0f} | {share / raw:.2f} | >= 0.90 |")
         print(f"| throughput, records/s (inside batches) | {busy:,.0f} | {raw:,.0f} | {busy / raw:.2f} | >= 0.90 |")
+        steady = statistics.median(r["share_steady_rps"] for r in t)
+        print(f"| throughput, records/s (after the first batch) | {steady:,.0f} | {raw:,.0f} | {steady / raw:.2f} | >= 0.90 |")
         sc = statistics.median(r["share_cpu_per_m"] for r in t)
         rc = statistics.median(r["raw_cpu_per_m"] for r in t)
-        print(f"| CPU s per million records | {sc:,.1f} | {rc:,.1f} | {sc / rc:.2f} | <= 1.5 |")
+        print(f"| CPU s per million records (whole run) | {sc:,.1f} | {rc:,.1f} | {sc / rc:.2f} | <= 1.5 |")
+        ss = statistics.median(r["share_steady_cpu_per_m"] for r in t)
+        print(f"| CPU s per million records (after the first batch) | {ss:,.1f} | {rc:,.1f} | {ss / rc:.2f} | <= 1.5 |")
     d = results.get("decode")
     if d:
         print(f"| decode rows/s, one core (vs naive lists) | {d['ours_rows_per_s']:,.0f} | {d['naive_rows_per_s']:,.0f} "
@@ -355,7 +367,7 @@ def report(results, out):
         xs = [r["slots"] for r in sc]
         ax.plot(xs, [r["raw_rps"] for r in sc], "o-", label="raw ShareConsumer loop")
         ax.plot(xs, [r["share_rps"] for r in sc], "o-", label="kafka-share -> noop (wall)")
-        ax.plot(xs, [r["share_busy_rps"] for r in sc], "o--", label="kafka-share (inside batches)")
+        ax.plot(xs, [r["share_steady_rps"] for r in sc], "o--", label="kafka-share (after the first batch)")
         ax.set_xlabel("consumers (numPartitions)")
         ax.set_ylabel("records/s")
         ax.set_title("Throughput on the embedded broker")
@@ -365,8 +377,9 @@ def report(results, out):
     if results.get("throughput"):
         fig, ax = plt.subplots(figsize=(6, 4))
         t = results["throughput"]
-        ax.bar(["raw", "kafka-share"], [statistics.median(r["raw_cpu_per_m"] for r in t),
-                                        statistics.median(r["share_cpu_per_m"] for r in t)])
+        ax.bar(["raw", "kafka-share\n(whole run)", "kafka-share\n(after 1st batch)"],
+               [statistics.median(r["raw_cpu_per_m"] for r in t), statistics.median(r["share_cpu_per_m"] for r in t),
+                statistics.median(r["share_steady_cpu_per_m"] for r in t)])
         ax.set_ylabel("CPU seconds per million records")
         ax.set_title("CPU cost")
         fig.tight_layout()

@@ -254,11 +254,7 @@ class Agent:
                 return {"rows": rep.get("rows", 0), "cached": True, "relayed": True}, ipc
             session = self._take_session(batch, max_records)
             try:
-                budget = poll_timeout_ms
-                if not session.polls:  # counted from the session's start: it joins without polling
-                    age_ms = (time.monotonic() - session.created_at) * 1000
-                    budget = max(budget, int(FIRST_POLL_MIN_MS - age_ms))
-                rb, holding = session.poll(batch, slot, max_records, budget).result()
+                rb, holding = session.poll(batch, slot, max_records, self._budget(session, poll_timeout_ms)).result()
             except BaseException:
                 self._give_back(session)
                 raise
@@ -283,6 +279,14 @@ class Agent:
                 ev = self._inflight.pop(key, None)
             if ev is not None:
                 ev.set()
+
+    @staticmethod
+    def _budget(session, poll_timeout_ms: int) -> int:
+        if session.polls:
+            return poll_timeout_ms
+        # A session's first poll waits until it is FIRST_POLL_MIN_MS old: it joins without polling.
+        age_ms = (time.monotonic() - session.created_at) * 1000
+        return max(poll_timeout_ms, int(FIRST_POLL_MIN_MS - age_ms))
 
     def _visible(self, rb):
         """What Spark sees of a poll: without records past maxDeliveryCount (reported as poison,

@@ -221,6 +221,9 @@ class Tracker:
         # Records this AvailableNow run gave back (released, failed or expired acks) and has not seen
         # again: an empty batch does not end the run while some are due (a few times, as above).
         self.redeliveries_due = 0
+        # Set once an AvailableNow run has seen everything: one last batch without tasks acknowledges
+        # the previous one and reports the totals in its progress, without an empty poll.
+        self.closing = False
         self.totals = AckOutcome()
         # Records per slot that fit in the record lock; lowered whenever a batch's locks expire.
         self.lock_safe_records: Optional[int] = None
@@ -398,6 +401,8 @@ class Tracker:
             if self.available_now_target is not None:
                 if not self.planned_any:
                     return True
+                if self.closing:
+                    return False
                 if last is None or last.rows == 0:
                     # An empty poll can be a slow broker, not an empty queue: go on (a few times) while a
                     # partition this run has been reading still has records below the start's watermark.
@@ -407,8 +412,13 @@ class Tracker:
                     due = bool(behind) or self.redeliveries_due > 0
                     return due and self.empty_streak <= AVAILABLE_NOW_EMPTY_RETRIES
                 self.empty_streak = 0
-                # Stop once a batch brought only records produced after the run started.
                 target = self.available_now_target
+                # Stop at once when every record below the start's watermarks has been seen (saves the
+                # empty batch that would otherwise prove it), or once a batch brought only newer records.
+                if self.redeliveries_due == 0 and all(self.max_seen.get(tp, -1) >= hw - 1
+                                                      for tp, hw in target.items() if hw > 0):
+                    self.closing = True
+                    return True
                 return any(lo < target.get(tp, 0) for tp, lo in last.min_offsets().items())
             if not self.planned_any:
                 return True
@@ -423,14 +433,15 @@ class Tracker:
         with self._lock:
             b = self.batches.get(batch)
             if b is None:
-                b = self.batches[batch] = BatchState(batch, self.slots_for(max_records), max_records)
+                slots = 0 if self.closing else self.slots_for(max_records)
+                b = self.batches[batch] = BatchState(batch, slots, max_records)
             self.planned_any = True
             self.last_plan_time = time.monotonic()
             self.last_plan_hw_version = self.metadata.version
             return b
 
     def slot_budgets(self, b: BatchState) -> List[Optional[int]]:
-        per_slot = None if b.max_records is None else max(1, b.max_records // b.slots)
+        per_slot = None if b.max_records is None else max(1, b.max_records // max(1, b.slots))
         if self.lock_safe_records is not None:
             per_slot = self.lock_safe_records if per_slot is None else min(per_slot, self.lock_safe_records)
         return [per_slot] * b.slots

@@ -40,6 +40,9 @@ def test_available_now_drains_acknowledges_and_ends(spark, kafka, tmp_path):
          .trigger(availableNow=True).start())
     assert q.awaitTermination(120), "AvailableNow did not end by itself"
     assert q.exception() is None
+    # The batch that saw the last record was followed by one without tasks (it acknowledges and
+    # reports), not by an empty poll.
+    assert [p["numInputRows"] for p in q.recentProgress] == [600, 0]
     rows = spark.read.parquet(out).collect()
     report = check_no_loss(w.ids, ids_of(rows))
     assert report.duplicates == 0
@@ -322,8 +325,11 @@ def test_available_now_waits_for_records_it_gave_back(kafka):
         assert batch(0, rows=10, accepted=7, released=3)
         assert [batch(n) for n in range(1, AVAILABLE_NOW_EMPTY_RETRIES + 2)] == \
             [True] * AVAILABLE_NOW_EMPTY_RETRIES + [False]  # bounded: the broker may archive them
+        # They come back: nothing left to come back, nothing unseen below the start's watermark. One
+        # more batch without tasks acknowledges this one and reports it; it does not poll.
         assert batch(10, rows=3, redelivered=3, accepted=3)
-        assert not batch(11)  # nothing left to come back, nothing below the start's watermark
+        assert t.plan(11, None).slots == 0 and t.slot_budgets(t.batches[11]) == []
+        assert not batch(11)
     finally:
         t.agents.clear()
         t.shutdown()
