@@ -38,6 +38,10 @@ SPAWN_TIMEOUT_S = 60.0
 # end early.
 FIRST_POLL_MIN_MS = 5000
 JOIN_SETTLE_S = 1.0
+# Once a poll of a batch has brought records, the other (still empty) polls of that batch on this
+# host wait at most this much longer, or as long again as that poll took: a consumer whose
+# partitions are drained must not hold the batch for the whole poll timeout.
+POLL_LINGER_S = 0.2
 
 
 def runtime_dir() -> str:
@@ -179,6 +183,7 @@ class Agent:
         self._sessions: List = []
         self._reserved: set = set()
         self._last_taken: Dict[str, Tuple[int, float]] = {}  # session id -> (batch, when) of its last poll
+        self._first_rows: Dict[int, Tuple[float, float]] = {}  # batch -> (when, how long) its first poll with rows
         self._cache: Dict[Tuple[int, int], Cached] = {}
         self._inflight: Dict[Tuple[int, int], threading.Event] = {}
         self._session_seq = 0
@@ -254,7 +259,14 @@ class Agent:
                 return {"rows": rep.get("rows", 0), "cached": True, "relayed": True}, ipc
             session = self._take_session(batch, max_records)
             try:
-                rb, holding = session.poll(batch, slot, max_records, self._budget(session, poll_timeout_ms)).result()
+                started = time.monotonic()
+                give_up = (lambda: self._others_done(batch)) if session.polls else None  # a first poll joins
+                rb, holding = session.poll(batch, slot, max_records, self._budget(session, poll_timeout_ms),
+                                           give_up).result()
+                if rb.num_rows:
+                    with self._lock:
+                        now = time.monotonic()
+                        self._first_rows.setdefault(batch, (now, now - started))
             except BaseException:
                 self._give_back(session)
                 raise
@@ -279,6 +291,10 @@ class Agent:
                 ev = self._inflight.pop(key, None)
             if ev is not None:
                 ev.set()
+
+    def _others_done(self, batch: int) -> bool:
+        first = self._first_rows.get(batch)
+        return first is not None and time.monotonic() - first[0] >= max(POLL_LINGER_S, first[1])
 
     @staticmethod
     def _budget(session, poll_timeout_ms: int) -> int:
@@ -419,6 +435,7 @@ class Agent:
             except Exception as ex:
                 out[str(slot)] = {"failed": -1, "errors": {type(ex).__name__: 1}}
         with self._lock:
+            self._first_rows.pop(batch, None)
             for e in entries:
                 self._cache.pop((e.batch, e.slot), None)
                 if e.session is not None:

@@ -24,6 +24,7 @@ log = logging.getLogger("spark_share.session")
 
 ACCEPT, RELEASE, REJECT = 1, 2, 3
 VERDICT_NAMES = {ACCEPT: "accepted", RELEASE: "released", REJECT: "rejected"}
+POLL_SLICE_S = 0.05  # how often an empty poll asks whether to give up
 ERR_INVALID_RECORD_STATE = 121  # the lock expired (or the record is no longer acquired by us)
 
 
@@ -120,9 +121,11 @@ class ShareSession:
                 fut.set_exception(e)
 
     # commands ---------------------------------------------------------------------------
-    def poll(self, batch: int, slot: int, max_records: Optional[int], timeout_ms: int) -> Future:
-        """Acquire one poll for (batch, slot). Result: (RecordBatch, Holding)."""
-        return self._submit(lambda: self._poll(batch, slot, max_records, timeout_ms))
+    def poll(self, batch: int, slot: int, max_records: Optional[int], timeout_ms: int,
+             give_up: Optional[Callable[[], bool]] = None) -> Future:
+        """Acquire one poll for (batch, slot). Result: (RecordBatch, Holding). While nothing has
+        arrived, ``give_up()`` is asked every POLL_SLICE_S whether to return empty before the timeout."""
+        return self._submit(lambda: self._poll(batch, slot, max_records, timeout_ms, give_up))
 
     def acknowledge(self, verdicts: Dict[Tuple[str, int, int], int], timeout_s: float) -> Future:
         """Acknowledge everything held: ACCEPT unless ``verdicts`` says otherwise. Result: AckOutcome."""
@@ -139,7 +142,7 @@ class ShareSession:
         return fut
 
     # on the session thread ----------------------------------------------------------------
-    def _poll(self, batch, slot, max_records, timeout_ms):
+    def _poll(self, batch, slot, max_records, timeout_ms, give_up=None):
         if self.holding is not None:
             raise RuntimeError(f"session {self.session_id} still holds batch {self.holding.batch} "
                                f"slot {self.holding.slot}; it must be acknowledged first")
@@ -147,8 +150,9 @@ class ShareSession:
         deadline = time.monotonic() + timeout_ms / 1000.0
         msgs: list = []
         while True:
-            msgs = list(self.consumer.poll(max(0.0, deadline - time.monotonic())))
-            if msgs or time.monotonic() >= deadline:
+            left = max(0.0, deadline - time.monotonic())
+            msgs = list(self.consumer.poll(min(left, POLL_SLICE_S) if give_up else left))
+            if msgs or time.monotonic() >= deadline or (give_up and give_up()):
                 break
         good = [m for m in msgs if m.error() is None]
         for m in msgs:

@@ -1,9 +1,11 @@
-"""The agent's choice of share session for a (batch, slot): no member of the group left unpolled."""
+"""How the agent polls: every share session once per batch, and no drained one holding a batch up."""
 from __future__ import annotations
 
 import threading
+import time
 
 from spark_share.agent import Agent
+from spark_share.session import ShareSession
 
 
 class FakeSession:
@@ -17,7 +19,7 @@ def agent_with(sessions):
     a = Agent.__new__(Agent)  # the selection logic only; no tracker, no broker
     a.agent_id = "test"
     a._lock, a._resize_lock = threading.Lock(), threading.Lock()
-    a._sessions, a._reserved, a._last_taken = list(sessions), set(), {}
+    a._sessions, a._reserved, a._last_taken, a._first_rows = list(sessions), set(), {}, {}
     return a
 
 
@@ -44,3 +46,30 @@ def test_busy_and_reserved_sessions_are_skipped():
     a._give_back(first)
     # Only a session already used in this batch is free: it is reused rather than a new one started.
     assert a._take_session(0, None) is first
+
+
+def test_an_empty_poll_stops_waiting_once_the_batch_has_records_elsewhere():
+    a = agent_with([])
+    assert not a._others_done(3)  # no poll of batch 3 has brought records
+    a._first_rows[3] = (time.monotonic(), 0.3)
+    assert not a._others_done(3)  # it just did: linger as long as it took, at least POLL_LINGER_S
+    a._first_rows[3] = (time.monotonic() - 1.0, 0.3)
+    assert a._others_done(3)
+    assert not a._others_done(4)
+
+
+def test_a_session_poll_gives_up_when_asked(kafka):
+    kafka.create_topic("quiet", 1)
+    s = ShareSession("t-1", {"bootstrap.servers": kafka.bootstrap_servers, "group.id": "quiet-g",
+                             "share.acknowledgement.mode": "explicit"}, ["quiet"], False)
+    try:
+        asked = threading.Event()
+
+        def give_up():
+            asked.set()
+            return True
+
+        rb, holding = s.poll(0, 0, None, 600_000, give_up).result(timeout=60)  # not the 10-minute timeout
+        assert asked.is_set() and rb.num_rows == 0 and not s.busy
+    finally:
+        s.close().result(timeout=30)
