@@ -67,7 +67,6 @@ def produce(kafka, topic, n, partitions):
             except BufferError:
                 p.poll(0.05)
     p.flush(60)
-    return p
 
 
 class CpuSampler:
@@ -287,12 +286,12 @@ def main(argv=None):
                     with EmbeddedKafka() as kafka:
                         kafka.set_max_record_locks(args.max_record_locks)
                         kafka.create_topic("t", args.partitions)
-                        keep = produce(kafka, "t", args.records, args.partitions)
+                        produce(kafka, "t", args.records, args.partitions)
                         raw = raw_loop(kafka, "t", slots, args.records)
                     with EmbeddedKafka() as kafka:
                         kafka.set_max_record_locks(args.max_record_locks)
                         kafka.create_topic("t", args.partitions)
-                        keep = produce(kafka, "t", args.records, args.partitions)  # noqa: F841
+                        produce(kafka, "t", args.records, args.partitions)
                         ours = share_run(spark, kafka, "t", slots, args.records, tmp)
                     row = {"slots": slots, "raw_rps": raw["records"] / raw["seconds"],
                            "share_rps": ours["records"] / ours["seconds"],
