@@ -150,7 +150,10 @@ def share_run(spark, kafka, topic, slots, n, tmp):
     busy = sum(p["durationMs"]["triggerExecution"] for p in prog) / 1000.0
     after_first = rows - (prog[0]["numInputRows"] if prog else 0)
     first = first or (t0, 0.0)
+    phases = [dict(batch=p["batchId"], rows=p["numInputRows"], **{k: v for k, v in p["durationMs"].items()
+                                                                    if k != "getBatch"}) for p in q.recentProgress]
     return {"seconds": wall, "busy_seconds": busy, "records": rows, "batches": len(prog), "cpu": cpu.seconds,
+            "phases": phases,
             "cpu_by_process": cpu.by_kind, "steady_records": after_first,
             "steady_seconds": time.perf_counter() - first[0], "steady_cpu": cpu.seconds - first[1]}
 

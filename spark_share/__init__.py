@@ -21,8 +21,22 @@ def register(spark) -> None:
     from .source import KafkaShareDataSource
     from .verdicts import install_listener
 
+    _tell_workers_where_executors_are(spark)
     spark.dataSource.register(KafkaShareDataSource)
     install_listener(spark)
+
+
+def _tell_workers_where_executors_are(spark) -> None:
+    """The source's driver side binds its socket to loopback only in local mode; it runs in a
+    process Spark starts with the SparkContext's environment, which is how it learns the master."""
+    try:
+        sc = spark.sparkContext
+    except Exception:  # Spark Connect: no SparkContext here; the driver side falls back to loopback
+        return
+    sc.environment["SPARK_SHARE_MASTER"] = sc.master
+    host = sc.getConf().get("spark.driver.host")
+    if host:
+        sc.environment["SPARK_SHARE_DRIVER_HOST"] = host
 
 
 def reject(rows, reason=None) -> int:

@@ -63,8 +63,12 @@ def agent_socket_path(tracker_id: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # Read-task side: find or start this host's agent.
 
-def ensure_agent(tracker_addr: Tuple[str, int], tracker_id: str, secret: str, timeout: float = 10.0) -> wire.RpcConnection:
+def ensure_agent(tracker_addr: Tuple[str, int], tracker_id: str, secret: str, opts,
+                 timeout: float = 10.0) -> wire.RpcConnection:
     """Connect to this host's agent for the tracker, starting it if it is not running.
+
+    The Kafka client configs (credentials included) reach a new agent from ``opts``, the options
+    Spark shipped with the read task, through a pipe: they never cross a socket of ours.
 
     Two locks make this safe when Spark kills a worker half way: ``.spawn`` lets one read task at a
     time decide to start an agent; ``.alive`` is taken by the spawner and handed to the agent (an
@@ -87,7 +91,7 @@ def ensure_agent(tracker_addr: Tuple[str, int], tracker_id: str, secret: str, ti
         try:
             if os.path.exists(path):
                 os.unlink(path)  # left by an agent that was killed
-            _spawn_agent(tracker_addr, tracker_id, secret, alive_fd)
+            _spawn_agent(tracker_addr, tracker_id, secret, opts, alive_fd)
         finally:
             os.close(alive_fd)  # the agent keeps its own copy of the locked description
         return wire.connect(path, secret, timeout=timeout, name="task")
@@ -106,7 +110,7 @@ def _connect_when_ready(path: str, secret: str, timeout: float) -> wire.RpcConne
             time.sleep(0.05)  # bounded poll for a socket file; there is nothing to wait on
 
 
-def _spawn_agent(tracker_addr, tracker_id: str, secret: str, alive_fd: int) -> None:
+def _spawn_agent(tracker_addr, tracker_id: str, secret: str, opts, alive_fd: int) -> None:
     log_path = os.path.join(runtime_dir(), f"agent-{tracker_id}.log")
     env = dict(os.environ)
     # The worker may import this package from a path Spark added (--py-files, a zip); so must the agent.
@@ -119,8 +123,10 @@ def _spawn_agent(tracker_addr, tracker_id: str, secret: str, alive_fd: int) -> N
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf,
             close_fds=True, pass_fds=(alive_fd,), start_new_session=True, cwd=runtime_dir(), env=env)
     # Parameters travel on stdin, never on the command line (visible to every user in ps).
-    proc.stdin.write(json.dumps({"tracker": list(tracker_addr), "tracker_id": tracker_id,
-                                 "secret": secret}).encode() + b"\n")
+    proc.stdin.write(json.dumps({"tracker": list(tracker_addr), "tracker_id": tracker_id, "secret": secret,
+                                 "consumer_config": opts.consumer_config(),
+                                 "producer_config": opts.producer_config() if opts.dead_letter_topic else {},
+                                 "secret_values": opts.secret_values()}).encode() + b"\n")
     proc.stdin.close()
     proc.wait(SPAWN_TIMEOUT_S)  # the intermediate process exits once the agent has forked away
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
@@ -174,10 +180,14 @@ def _redelivered(rb) -> int:
 
 
 class Agent:
-    def __init__(self, tracker_addr, tracker_id: str, secret: str):
+    def __init__(self, tracker_addr, tracker_id: str, secret: str, consumer_config: Dict[str, str],
+                 producer_config: Dict[str, str], secret_values: List[str]):
+        from .options import scrub
+
         self.tracker_id = tracker_id
         self.agent_id = f"{socket.gethostname()}:{os.getpid()}"
         self._secret = secret
+        self._scrub = lambda s: scrub(s, secret_values)
         self._lock = threading.Lock()
         self._resize_lock = threading.Lock()
         self._sessions: List = []
@@ -189,18 +199,30 @@ class Agent:
         self._session_seq = 0
         self.done = threading.Event()
         self.tracker = wire.connect(tuple(tracker_addr), secret, handler=self._on_tracker_request,
-                                    on_close=lambda _c: self._tracker_lost(), name="agent-tracker")
+                                    on_close=lambda _c: self._tracker_lost(), name="agent-tracker",
+                                    scrub=self._scrub)
         hello, _ = self.tracker.call({"op": "hello", "agent_id": self.agent_id, "host": socket.gethostname(),
                                       "pid": os.getpid()}, timeout=30)
         self.config = hello
-        # The dead-letter topic gets the original headers even when the query does not read them.
-        self._keep_headers = bool(hello["include_headers"] or hello.get("dead_letter_topic"))
+        self._consumer_config = dict(consumer_config)
+        if hello.get("max_poll_records"):
+            self._consumer_config["max.poll.records"] = str(min(int(self._consumer_config["max.poll.records"]),
+                                                               int(hello["max_poll_records"])))
+        self._producer_config = producer_config
+        # Dead letters carry the original headers even when the query does not read them.
+        self._keep_headers = bool(hello["include_headers"] or hello.get("dead_letter"))
         self._deadletters = None
-        secrets_ = hello.get("secret_values", [])
-        from .options import scrub
-        self._scrub = lambda s: scrub(s, secrets_)
+        if hello.get("dead_letter"):
+            from .deadletter import DeadLetterWriter
+
+            # Connected before any session joins: the embedded broker ends every share session
+            # when a client drops a connection, as a new producer does with its bootstrap one.
+            self._deadletters = DeadLetterWriter(hello.get("dead_letter_topic"), hello.get("dead_letter_path"),
+                                                 producer_config)
+            self._deadletters.connect()
         self._start_sessions(int(hello.get("slots", 1)))
-        self.server = wire.RpcServer(agent_socket_path(tracker_id), secret, self._on_task_request, name="agent")
+        self.server = wire.RpcServer(agent_socket_path(tracker_id), secret, self._on_task_request, name="agent",
+                                     scrub=self._scrub)
 
     def _new_session(self, max_poll_records: Optional[int] = None):
         from .session import ShareSession
@@ -208,7 +230,7 @@ class Agent:
         with self._lock:
             self._session_seq += 1
             sid = f"{os.getpid()}-{self._session_seq}"
-        conf = dict(self.config["consumer_config"])
+        conf = dict(self._consumer_config)
         if max_poll_records is not None:
             conf["max.poll.records"] = str(max_poll_records)
         return ShareSession(sid, conf, self.config["topics"], self._keep_headers, scrub=self._scrub)
@@ -223,19 +245,19 @@ class Agent:
         with self._lock:
             self._sessions.extend(sessions)
         log.info("agent %s: %d share sessions (max.poll.records %s) joined group %s", self.agent_id, n,
-                 sessions[0].max_poll_records if sessions else "-", self.config["consumer_config"].get("group.id"))
+                 sessions[0].max_poll_records if sessions else "-", self._consumer_config.get("group.id"))
 
     # read tasks ----------------------------------------------------------------------------
     def _on_task_request(self, conn, req: dict, blob: bytes):
         op = req.get("op")
         if op == "read":
             return self._read(int(req["batch"]), int(req["slot"]), req.get("max_records"),
-                              int(req.get("poll_timeout_ms", 1000)), req.get("query_id"))
+                              int(req.get("poll_timeout_ms", 1000)), req.get("query_id"), req.get("spark_batch"))
         if op == "ping":
             return {"agent_id": self.agent_id, "sessions": len(self._sessions)}, b""
         raise ValueError(f"unknown request {op!r}")
 
-    def _read(self, batch: int, slot: int, max_records, poll_timeout_ms: int, query_id):
+    def _read(self, batch: int, slot: int, max_records, poll_timeout_ms: int, query_id, spark_batch):
         key = (batch, slot)
         while True:
             with self._lock:
@@ -252,7 +274,8 @@ class Agent:
                     continue
             # the other poll failed; try ourselves
         try:
-            claim, _ = self.tracker.call({"op": "claim", "batch": batch, "slot": slot, "query_id": query_id}, timeout=60)
+            claim, _ = self.tracker.call({"op": "claim", "batch": batch, "slot": slot, "query_id": query_id,
+                                          "spark_batch": spark_batch}, timeout=60)
             if claim["owner"] != self.agent_id:
                 # Another host acquired this (batch, slot): relay its cached rows through the tracker.
                 rep, ipc = self.tracker.call({"op": "fetch", "batch": batch, "slot": slot}, timeout=120)
@@ -260,7 +283,8 @@ class Agent:
             session = self._take_session(batch, max_records)
             try:
                 started = time.monotonic()
-                give_up = (lambda: self._others_done(batch)) if session.polls else None  # a first poll joins
+                # A first poll waits for the group join; then an empty poll means an empty queue.
+                give_up = (lambda: self._others_done(batch)) if session.polls else (lambda: session.ready)
                 rb, holding = session.poll(batch, slot, max_records, self._budget(session, poll_timeout_ms),
                                            give_up).result()
                 if rb.num_rows:
@@ -273,18 +297,25 @@ class Agent:
             acquired = holding.acquired if rb.num_rows else {}
             out, poison = self._visible(rb)
             ipc = records.to_ipc(out)
+            # The tracker learns what this (batch, slot) holds before any row of it reaches Spark: a
+            # record it does not know of could never be acknowledged nor given a verdict.
+            try:
+                self.tracker.call({"op": "acquired", "batch": batch, "slot": slot, "session": session.session_id,
+                                   "rows": rb.num_rows, "acquired_at": holding.acquired_at, "poison": poison,
+                                   "redelivered": _redelivered(rb), "spark_batch": spark_batch,
+                                   "offsets": {t: {str(p): _ranges(o) for p, o in parts.items()}
+                                               for t, parts in acquired.items()}}, timeout=60)
+            except BaseException:
+                if rb.num_rows:
+                    session.release_all(30).result(35)
+                self._give_back(session)
+                raise
             entry = Cached(batch, slot, session if rb.num_rows else None, ipc, out.num_rows,
-                          full=rb if self.config.get("dead_letter") else None, query_id=query_id)
+                           full=rb if self.config.get("dead_letter") else None, query_id=query_id)
             if not rb.num_rows:
                 self._give_back(session)
             with self._lock:
                 self._cache[key] = entry
-            # Synchronous: the tracker knows what this batch holds before any row reaches Spark.
-            self.tracker.call({"op": "acquired", "batch": batch, "slot": slot, "session": session.session_id,
-                               "rows": rb.num_rows, "acquired_at": holding.acquired_at, "poison": poison,
-                               "redelivered": _redelivered(rb),
-                               "offsets": {t: {str(p): _ranges(o) for p, o in parts.items()}
-                                           for t, parts in acquired.items()}}, timeout=60)
             return {"rows": out.num_rows, "cached": False}, ipc
         finally:
             with self._lock:
@@ -300,7 +331,8 @@ class Agent:
     def _budget(session, poll_timeout_ms: int) -> int:
         if session.polls:
             return poll_timeout_ms
-        # A session's first poll waits until it is FIRST_POLL_MIN_MS old: it joins without polling.
+        # A session's first poll may wait until it is FIRST_POLL_MIN_MS old (it joins meanwhile), or
+        # less once librdkafka reports it joined with partitions and fetched since.
         age_ms = (time.monotonic() - session.created_at) * 1000
         return max(poll_timeout_ms, int(FIRST_POLL_MIN_MS - age_ms))
 
@@ -397,15 +429,11 @@ class Agent:
 
     def _dead_letter(self, batch: int, wanted: list) -> dict:
         """Write the rejected records of ``batch`` held here to the dead-letter target."""
-        from .deadletter import DeadLetterWriter, rejected_table
+        from .deadletter import rejected_table
 
         want = {(t, int(p), int(o)): reason for t, p, o, reason in wanted}
         with self._lock:
             entries = [e for (b, _), e in self._cache.items() if b == batch and e.full is not None]
-            if self._deadletters is None:
-                self._deadletters = DeadLetterWriter(self.config.get("dead_letter_topic"),
-                                                     self.config.get("dead_letter_path"),
-                                                     self.config.get("producer_config", {}))
         written = 0
         for e in entries:
             table = rejected_table(e.full, want, e.query_id, batch)
@@ -476,10 +504,14 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     try:
-        agent = Agent(params["tracker"], params["tracker_id"], params["secret"])
+        agent = Agent(params["tracker"], params["tracker_id"], params["secret"], params["consumer_config"],
+                      params["producer_config"], params["secret_values"])
     except Exception as e:
-        log.exception("agent failed to start")
-        sys.stdout.write(f"ERROR {type(e).__name__}: {e}\n")
+        from .options import scrub
+
+        why = scrub(f"{type(e).__name__}: {e}", params["secret_values"])
+        log.error("agent failed to start: %s", why)
+        sys.stdout.write(f"ERROR {why}\n")
         sys.stdout.flush()
         os._exit(1)
     try:

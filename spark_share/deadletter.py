@@ -73,6 +73,20 @@ class DeadLetterWriter:
         self._producer_config = producer_config
         self._producer = None
 
+    def connect(self, timeout_s: float = 30.0) -> None:
+        """Open the producer and its broker connections now rather than at the first reject."""
+        if self.topic:
+            self._producer_for().list_topics(self.topic, timeout=timeout_s)
+
+    def _producer_for(self):
+        from confluent_kafka import Producer
+
+        if self._producer is None:
+            conf = dict(self._producer_config)
+            conf.update({"enable.idempotence": "true", "acks": "all"})
+            self._producer = Producer(conf)
+        return self._producer
+
     def write(self, table: pa.Table, batch_id: int, name: str) -> int:
         if table.num_rows == 0:
             return 0
@@ -92,12 +106,9 @@ class DeadLetterWriter:
         return table.num_rows
 
     def _to_topic(self, table: pa.Table, batch_id: int) -> int:
-        from confluent_kafka import KafkaException, Producer
+        from confluent_kafka import KafkaException
 
-        if self._producer is None:
-            conf = dict(self._producer_config)
-            conf.update({"enable.idempotence": "true", "acks": "all"})
-            self._producer = Producer(conf)
+        producer = self._producer_for()
         errors: List[str] = []
 
         def delivered(err, _msg):
@@ -114,13 +125,13 @@ class DeadLetterWriter:
                 ("deliveryCount", cols["deliveryCount"][i]), ("queryId", cols["queryId"][i] or ""),
                 ("batchId", batch_id))]
             try:
-                self._producer.produce(self.topic, key=cols["key"][i], value=cols["value"][i], headers=headers,
-                                       on_delivery=delivered)
+                producer.produce(self.topic, key=cols["key"][i], value=cols["value"][i], headers=headers,
+                                 on_delivery=delivered)
             except (KafkaException, BufferError) as e:
                 errors.append(str(e))
                 break
-            self._producer.poll(0)
-        left = self._producer.flush(60)
+            producer.poll(0)
+        left = producer.flush(60)
         if left:
             errors.append(f"{left} records not delivered within 60 s")
         if errors:

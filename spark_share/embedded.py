@@ -77,6 +77,10 @@ _SIGNATURES = {
     "rd_kafka_mock_broker_set_up": ([ctypes.c_void_p, ctypes.c_int32], ctypes.c_int),
     "rd_kafka_mock_partition_set_leader": ([ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int32, ctypes.c_int32], ctypes.c_int),
     "rd_kafka_mock_broker_set_rtt": ([ctypes.c_void_p, ctypes.c_int32, ctypes.c_int], ctypes.c_int),
+    "rd_kafka_mock_start_request_tracking": ([ctypes.c_void_p], None),
+    "rd_kafka_mock_get_requests": ([ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)], ctypes.POINTER(ctypes.c_void_p)),
+    "rd_kafka_mock_request_api_key": ([ctypes.c_void_p], ctypes.c_int16),
+    "rd_kafka_mock_request_destroy_array": ([ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t], None),
 }
 
 
@@ -249,6 +253,23 @@ class EmbeddedKafka:
 
     def clear_request_errors(self, api) -> None:
         self._lib.rd_kafka_mock_clear_request_errors(self._cluster(), self._api_key(api))
+
+    def track_requests(self) -> None:
+        """Record every request the brokers receive from now on (see ``request_count``)."""
+        self._lib.rd_kafka_mock_start_request_tracking(self._cluster())
+
+    def request_count(self, api) -> int:
+        """Requests of ``api`` received since ``track_requests()``, from any client: tells a test
+        that the errors it injected were served."""
+        n = ctypes.c_size_t()
+        reqs = self._lib.rd_kafka_mock_get_requests(self._cluster(), ctypes.byref(n))
+        if not reqs:
+            return 0
+        try:
+            key = self._api_key(api)
+            return sum(1 for i in range(n.value) if self._lib.rd_kafka_mock_request_api_key(reqs[i]) == key)
+        finally:
+            self._lib.rd_kafka_mock_request_destroy_array(reqs, n.value)
 
     # brokers ---------------------------------------------------------------------------
     def broker_down(self, broker_id: int) -> None:

@@ -140,12 +140,16 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
         ctx = TaskContext.get()
         query_id = ctx.getLocalProperty("sql.streaming.queryId") if ctx else None
+        # Spark's batch id can run ahead of ours (no-data batches, other sources): verdicts and commit
+        # signals name Spark's, so the tracker learns which of its batches it is.
+        spark_batch = ctx.getLocalProperty("streaming.sql.batchId") if ctx else None
         conn = agent.ensure_agent((partition.tracker_host, partition.tracker_port), partition.tracker_id,
-                                  partition.secret)
+                                  partition.secret, self.opts)
         try:
             _, blob = conn.call({"op": "read", "batch": partition.batch, "slot": partition.slot,
                                  "max_records": partition.max_records,
-                                 "poll_timeout_ms": partition.poll_timeout_ms, "query_id": query_id},
+                                 "poll_timeout_ms": partition.poll_timeout_ms, "query_id": query_id,
+                                 "spark_batch": int(spark_batch) if spark_batch is not None else None},
                                 timeout=READ_TIMEOUT_S + partition.poll_timeout_ms / 1000.0)
         finally:
             conn.close()

@@ -25,6 +25,7 @@ log = logging.getLogger("spark_share.session")
 ACCEPT, RELEASE, REJECT = 1, 2, 3
 VERDICT_NAMES = {ACCEPT: "accepted", RELEASE: "released", REJECT: "rejected"}
 POLL_SLICE_S = 0.05  # how often an empty poll asks whether to give up
+STATS_INTERVAL_MS = "200"  # how often librdkafka reports the group state a first poll waits on
 ERR_INVALID_RECORD_STATE = 121  # the lock expired (or the record is no longer acquired by us)
 
 
@@ -86,6 +87,13 @@ class ShareSession:
         self._queue: "queue.Queue[Optional[Tuple[Callable, Future]]]" = queue.Queue()
         self._closed = False
         self.max_poll_records = int(conf.get("max.poll.records", 500))
+        # Set once the consumer has joined with partitions and a fetch went out after that: an empty
+        # poll then means "nothing to read", not "not joined yet".
+        self.ready = False
+        self._fetches_at_join: Optional[int] = None
+        conf = dict(conf)
+        conf.setdefault("statistics.interval.ms", STATS_INTERVAL_MS)
+        conf["stats_cb"] = self._on_stats
         self.consumer = ShareConsumer(conf)
         try:
             self.consumer.subscribe(list(topics))
@@ -98,6 +106,24 @@ class ShareSession:
     @property
     def busy(self) -> bool:
         return self.holding is not None
+
+    def _on_stats(self, text: str) -> None:
+        """librdkafka's statistics (served inside poll): the group state and the ShareFetch count."""
+        if self.ready:
+            return
+        import json
+
+        try:
+            st = json.loads(text)
+            cgrp = st.get("cgrp") or {}
+            fetches = sum(b.get("req", {}).get("ShareFetch", 0) for b in st.get("brokers", {}).values())
+        except (ValueError, AttributeError):
+            return
+        if self._fetches_at_join is None:
+            if cgrp.get("join_state") == "steady" and cgrp.get("assignment_size", 0) > 0:
+                self._fetches_at_join = fetches
+        elif fetches >= self._fetches_at_join + 2:  # one fetch was sent, and answered, after the join
+            self.ready = True
 
     def _submit(self, fn: Callable) -> Future:
         fut: Future = Future()
@@ -149,11 +175,20 @@ class ShareSession:
         self.polls += 1
         deadline = time.monotonic() + timeout_ms / 1000.0
         msgs: list = []
+        asked = False
         while True:
             left = max(0.0, deadline - time.monotonic())
             msgs = list(self.consumer.poll(min(left, POLL_SLICE_S) if give_up else left))
-            if msgs or time.monotonic() >= deadline or (give_up and give_up()):
+            if msgs or time.monotonic() >= deadline:
                 break
+            # Give up only if asked twice in a row: records a fetch brought just before are
+            # returned by the poll in between.
+            if give_up is not None and give_up():
+                if asked:
+                    break
+                asked = True
+            else:
+                asked = False
         good = [m for m in msgs if m.error() is None]
         for m in msgs:
             if m.error() is not None:

@@ -33,6 +33,10 @@ log = logging.getLogger("spark_share.tracker")
 
 
 AVAILABLE_NOW_EMPTY_RETRIES = 5
+# Kafka's default group.share.record.lock.duration.ms. The client cannot read the group's value, so
+# the tracker assumes this until a lock expiry shows it is shorter.
+DEFAULT_LOCK_MS = 30_000
+LOCK_WARN_FRACTION = 0.8
 
 
 class SourceError(RuntimeError):
@@ -48,6 +52,7 @@ class BatchState:
     claims: Dict[int, str] = field(default_factory=dict)         # slot -> agent id
     acquired: Dict[int, dict] = field(default_factory=dict)      # slot -> {session, rows, offsets, acquired_at}
     verdicts: Dict[Tuple[str, int, int], Tuple[int, Optional[str]]] = field(default_factory=dict)
+    spark_batch: Optional[int] = None                            # Spark's batch id, learnt from the read tasks
     state: str = "planned"                                       # planned -> acking -> acked | released
     committed_at: Optional[float] = None
     acked_at: Optional[float] = None
@@ -74,8 +79,23 @@ class BatchState:
                     return True
         return False
 
+    def held_ms(self) -> Optional[float]:
+        """How long the batch held its records: from the first poll's return to its acknowledgement
+        (or now). The broker's lock clock started a little earlier."""
+        starts = [a["acquired_at"] for a in self.acquired.values() if a.get("rows") and a.get("acquired_at")]
+        if not starts:
+            return None
+        return round(((self.acked_at or time.time()) - min(starts)) * 1000, 1)
+
     def summary(self) -> dict:
         d = {"batch": self.batch, "acquired": self.rows, "state": self.state}
+        if self.spark_batch is not None and self.spark_batch != self.batch:
+            d["sparkBatch"] = self.spark_batch
+        if self.state == "planned":
+            d["polling"] = len(self.claims) - len(self.acquired)  # read tasks waiting for their poll
+        held = self.held_ms()
+        if held is not None:
+            d["holdMs"] = held
         d.update({k: v for k, v in self.outcome.as_dict().items() if k != "errors"})
         if self.outcome.errors:
             d["errors"] = dict(self.outcome.errors)
@@ -87,9 +107,10 @@ class BatchState:
 
 class MetadataWatcher:
     """A plain Kafka client kept alive for the whole run (the embedded broker drops every share
-    session when any client disconnects) that refreshes high watermarks in the background."""
+    session when any client disconnects) that refreshes high watermarks in the background while
+    ``wanted()`` says they matter (an idle stream), and not otherwise."""
 
-    def __init__(self, opts: ShareSourceOptions, timeout_s: float = 15.0):
+    def __init__(self, opts: ShareSourceOptions, timeout_s: float = 15.0, wanted=lambda: True):
         from confluent_kafka import Consumer, KafkaException
 
         self._opts = opts
@@ -115,6 +136,7 @@ class MetadataWatcher:
             (t, p) for t in opts.topics for p in md.topics[t].partitions)
         self.high: Dict[Tuple[str, int], int] = {}
         self.version = 0
+        self._wanted = wanted
         self._stop = threading.Event()
         self.refresh()
         self._thread = threading.Thread(target=self._loop, name="spark-share-watermarks", daemon=True)
@@ -138,7 +160,8 @@ class MetadataWatcher:
     def _loop(self) -> None:
         interval = max(0.2, 0.01 * len(self.partitions))
         while not self._stop.wait(interval):
-            self.refresh()
+            if self._wanted():
+                self.refresh()
 
     def close(self) -> None:
         self._stop.set()
@@ -174,13 +197,16 @@ def _log_to_file(path: str) -> logging.Handler:
 
 
 def _bind_host() -> str:
-    """Loopback unless Spark says executors are elsewhere (set SPARK_SHARE_BIND_HOST to override)."""
+    """The narrowest interface executors can reach: loopback in local mode, else the address they
+    already reach the driver on. ``register()`` passes the master and driver host to this process
+    through the SparkContext's environment; SPARK_SHARE_BIND_HOST overrides."""
     explicit = os.environ.get("SPARK_SHARE_BIND_HOST")
     if explicit:
         return explicit
-    master = os.environ.get("MASTER") or os.environ.get("SPARK_MASTER") or ""
+    master = os.environ.get("SPARK_SHARE_MASTER", "")
     if master and not master.startswith("local"):
-        return os.environ.get("SPARK_LOCAL_IP") or socket.gethostbyname(socket.gethostname())
+        return (os.environ.get("SPARK_SHARE_DRIVER_HOST") or os.environ.get("SPARK_LOCAL_IP")
+                or socket.gethostbyname(socket.gethostname()))
     return "127.0.0.1"
 
 
@@ -191,14 +217,19 @@ class Tracker:
         self.secret = wire.new_secret()
         self._secrets = opts.secret_values()
         self._lock = threading.RLock()
+        self._acked = threading.Condition(self._lock)  # a batch's acknowledgement finished
+        self.failure: Optional[str] = None  # why the query must stop (set once, raised by latestOffset)
         self.batches: Dict[int, BatchState] = {}
         self.agents: Dict[str, wire.RpcConnection] = {}
         self.query_id: Optional[str] = None
         self._registry_path: Optional[str] = None
+        # The last batch brought nothing (default and processingTime triggers): only then do the
+        # watermarks decide whether a batch runs, so only then does the watcher refresh them.
+        self.idle = False
         _prune_runtime_dir()
         self._log_file = _log_to_file(os.path.join(runtime_dir(), f"tracker-{self.tracker_id}.log"))
         try:
-            self.metadata = MetadataWatcher(opts)
+            self.metadata = MetadataWatcher(opts, wanted=lambda: self.idle)
         except BaseException:
             self._close_log()
             raise
@@ -210,7 +241,7 @@ class Tracker:
             raise
         self.num_slots = opts.num_partitions or max(1, len(self.metadata.partitions))
         self.server = wire.RpcServer((_bind_host(), 0), self.secret, self._handle, name="tracker",
-                                     on_close=self._conn_closed)
+                                     on_close=self._conn_closed, scrub=lambda s: scrub(s, self._secrets))
         self.address = self.server.address
         self.last_plan_time = 0.0
         self.last_plan_hw_version = -1
@@ -227,6 +258,7 @@ class Tracker:
         self.totals = AckOutcome()
         # Records per slot that fit in the record lock; lowered whenever a batch's locks expire.
         self.lock_safe_records: Optional[int] = None
+        self.lock_ms = float(DEFAULT_LOCK_MS)  # the record lock duration, as far as the tracker knows
         self.total_acquired = 0
         self._closed = False
         log.info("spark-share tracker %s for group %r, topics %s (%d partitions), %d slots, listening on %s:%d",
@@ -241,6 +273,8 @@ class Tracker:
             if t is None or t.error is not None:
                 raise SourceError(f"option 'deadLetterTopic' = {o.dead_letter_topic!r}: the topic does not exist on "
                                   f"{o.bootstrap_servers!r}; create it first (rejected records are written there)")
+            # Whether this client may write there shows at the first reject: a refused write fails the
+            # query, naming the option, and acknowledges nothing of its batch.
         if o.dead_letter_path:
             from .deadletter import check_path
 
@@ -258,7 +292,9 @@ class Tracker:
         if op == "fetch":
             return self._relay(req)
         if op == "committed":
-            self.batch_committed(int(req["batch"]), wait=True)
+            upto = self.source_batch_of(int(req["spark_batch"]))
+            if upto is not None:
+                self.batch_committed(upto, wait=True)
             return {"ok": True}, b""
         if op == "verdicts":
             return self._verdicts(req), b""
@@ -272,19 +308,21 @@ class Tracker:
             self.agents[agent_id] = conn
         conn.info["agent_id"] = agent_id
         log.info("agent %s joined (pid %s on %s)", agent_id, req.get("pid"), req.get("host"))
-        return {"consumer_config": self.opts.consumer_config(self._session_max_records()),
+        # No client config here: credentials reach agents with the read task, never over this socket.
+        limit = self._current_limit()
+        return {"max_poll_records": None if limit is None else max(1, limit // self.slots_for(limit)),
                 "topics": list(self.opts.topics), "include_headers": self.opts.include_headers,
-                "slots": self.slots_for(self.opts.max_records_per_trigger),
+                "slots": self.slots_for(limit),
                 "dead_letter": self.opts.dead_letter, "dead_letter_topic": self.opts.dead_letter_topic,
-                "dead_letter_path": self.opts.dead_letter_path, "max_delivery_count": self.opts.max_delivery_count,
-                "producer_config": self.opts.producer_config() if self.opts.dead_letter_topic else {},
-                "secret_values": self._secrets}
+                "dead_letter_path": self.opts.dead_letter_path, "max_delivery_count": self.opts.max_delivery_count}
 
-    def _session_max_records(self) -> Optional[int]:
-        limit = self.opts.max_records_per_trigger
-        if limit is None:
-            return None
-        return max(1, limit // self.slots_for(limit))
+    def _current_limit(self) -> Optional[int]:
+        """The records-per-batch limit Spark asked for last (none under ReadAllAvailable): it sizes
+        the agents' polls, so a poll never takes records the batch must give back."""
+        with self._lock:
+            if self.batches:
+                return self.batches[max(self.batches)].max_records
+        return self.opts.max_records_per_trigger
 
     def slots_for(self, limit: Optional[int]) -> int:
         return self.num_slots if limit is None else max(1, min(self.num_slots, limit))
@@ -298,9 +336,12 @@ class Tracker:
         with self._lock:
             b = self.batches.get(batch)
             if b is None:  # a replayed batch planned by an earlier run; plan it now
-                b = self.batches[batch] = BatchState(batch, self.num_slots, None)
+                limit = self.opts.max_records_per_trigger
+                b = self.batches[batch] = BatchState(batch, self.slots_for(limit), limit)
             if b.state != "planned":
                 raise RuntimeError(f"batch {batch} is already {b.state}; it cannot be read again")
+            if req.get("spark_batch") is not None:
+                b.spark_batch = int(req["spark_batch"])
             owner = b.claims.get(slot)
             if owner is None or owner not in self.agents:
                 if owner is not None:
@@ -346,16 +387,25 @@ class Tracker:
             raise RuntimeError(f"batch {batch} slot {slot} is held by no live agent")
         return conn.call({"op": "fetch", "batch": batch, "slot": slot}, timeout=120)
 
+    def source_batch_of(self, spark_batch: int) -> Optional[int]:
+        """Our batch that Spark ran as ``spark_batch`` or, if that one read nothing of ours, the
+        last one before it."""
+        with self._lock:
+            mapped = [n for n, b in self.batches.items() if b.spark_batch is not None and b.spark_batch <= spark_batch]
+        return max(mapped) if mapped else None
+
     def _verdicts(self, req: dict) -> dict:
         """Record reject/release verdicts for a running batch; all or nothing."""
-        batch = int(req["batch"])
+        spark_batch = int(req["spark_batch"])
         kind = {"reject": REJECT, "release": RELEASE}[req["kind"]]
         reason = req.get("reason")
         with self._lock:
-            b = self.batches.get(batch)
+            b = next((b for b in self.batches.values() if b.spark_batch == spark_batch), None)
             if b is None or b.state != "planned":
-                raise ValueError(f"batch {batch} is not running in this query (state: {b.state if b else 'unknown'}); "
-                                 "verdicts apply to the batch being processed in foreachBatch")
+                raise ValueError(f"batch {spark_batch} has no kafka-share records being processed in this query "
+                                 f"(state: {b.state if b else 'nothing read'}); verdicts apply to rows of the "
+                                 "batch being processed in foreachBatch")
+            batch = spark_batch
             keys = [(t, int(p), int(o)) for t, p, o in req["records"]]
             foreign = [k for k in keys if not b.holds(*k)]
             if foreign:
@@ -388,6 +438,7 @@ class Tracker:
                        "tracker_id": self.tracker_id, "pid": os.getpid()}, f)
         os.replace(path + ".tmp", path)
         self._registry_path = path
+        log.info("spark-share tracker %s serves query %s", self.tracker_id, query_id)
 
     # planning -----------------------------------------------------------------------------
     def prepare_available_now(self) -> None:
@@ -424,7 +475,9 @@ class Tracker:
                 return True
             if last is not None and (last.rows or last.outcome.released or last.outcome.failed
                                      or last.outcome.expired):
+                self.idle = False
                 return True
+            self.idle = True
             if self.metadata.version != self.last_plan_hw_version:
                 return True
             return time.monotonic() - self.last_plan_time >= self.opts.idle_probe_ms / 1000.0
@@ -459,14 +512,14 @@ class Tracker:
             self._acknowledge(b, ACCEPT)
         if wait:
             self._wait_acked(upto)
+        if self.failure:
+            raise SourceError(self.failure)
 
     def _wait_acked(self, upto: int) -> None:
-        deadline = time.monotonic() + self.opts.ack_timeout_ms / 1000.0 + 5
-        while time.monotonic() < deadline:
-            with self._lock:
-                if all(b.state != "acking" for n, b in self.batches.items() if n <= upto):
-                    return
-            time.sleep(0.005)
+        """Until no batch <= ``upto`` is still being acknowledged by another thread (bounded)."""
+        with self._acked:
+            self._acked.wait_for(lambda: all(b.state != "acking" for n, b in self.batches.items() if n <= upto),
+                                 timeout=self.opts.ack_timeout_ms / 1000.0 + 5)
 
     def _acknowledge(self, b: BatchState, default: int) -> None:
         with self._lock:
@@ -478,10 +531,17 @@ class Tracker:
         if default == ACCEPT and rejects and self.opts.dead_letter:
             failure = self._write_dead_letters(b, conns, rejects)
             if failure:
-                # Nothing of this batch is acknowledged: every record comes back.
+                # Nothing of this batch is acknowledged: every record comes back. The query then fails:
+                # going on would cycle records towards the broker's delivery limit, which archives them.
+                target = (f"deadLetterTopic={self.opts.dead_letter_topic!r}" if self.opts.dead_letter_topic
+                          else f"deadLetterPath={self.opts.dead_letter_path!r}")
                 log.error("spark-share batch %d: %s; its %d records are released and will be delivered again",
                           b.batch, failure, b.rows)
                 b.outcome.errors["DEADLETTER_WRITE_FAILED"] = len(rejects)
+                self.failure = (f"the dead-letter target ({target}) could not be written: {failure}. Nothing of "
+                                f"batch {b.spark_batch if b.spark_batch is not None else b.batch} was acknowledged; "
+                                "its records were released and come back when the query is restarted after the "
+                                "target is fixed")
                 default, verdicts = RELEASE, []
         futs = {}
         for agent_id, conn in conns.items():
@@ -506,11 +566,15 @@ class Tracker:
         with self._lock:
             b.acked_at = time.time()
             b.state = "acked" if default == ACCEPT else "released"
+            self._acked.notify_all()
             self.totals.add(b.outcome)
             if self.available_now_target is not None:
                 self.redeliveries_due += b.outcome.released + b.outcome.failed + b.outcome.expired
             if b.outcome.expired:
                 # The batch outlived the record lock: halve what one consumer may take per batch.
+                held = b.held_ms()
+                if held is not None and held < self.lock_ms:
+                    self.lock_ms = held  # the lock is shorter than this
                 biggest = max((a.get("rows", 0) for a in b.acquired.values()), default=1)
                 cap = max(1, biggest // 2)
                 if self.lock_safe_records is None or cap < self.lock_safe_records:
@@ -537,7 +601,9 @@ class Tracker:
 
     def _log_batch(self, b: BatchState) -> None:
         o = b.outcome
+        held = b.held_ms()
         lat = f", ack latency {1000 * (b.acked_at - b.committed_at):.0f} ms" if b.committed_at else ""
+        lat += f", held {held:.0f} ms" if held is not None else ""
         log.info("spark-share batch %d (group %s): acquired %d, accepted %d, released %d, rejected %d, "
                  "expired %d, failed %d%s%s", b.batch, self.opts.group_id, b.rows, o.accepted, o.released,
                  o.rejected, o.expired, o.failed, lat, f", errors {o.errors}" if o.errors else "")
@@ -546,6 +612,10 @@ class Tracker:
                         "delivered again. Raise the group's share.record.lock.duration.ms or lower "
                         "maxRecordsPerTrigger so batches finish within the lock; next batches take at most %d "
                         "records per consumer", b.batch, o.expired, self.lock_safe_records)
+        elif held is not None and held > LOCK_WARN_FRACTION * self.lock_ms:
+            log.warning("spark-share batch %d held its records for %.0f ms, close to the record lock (%.0f ms "
+                        "as far as spark-share knows); raise the group's share.record.lock.duration.ms or lower "
+                        "maxRecordsPerTrigger before locks expire", b.batch, held, self.lock_ms)
 
     # progress -----------------------------------------------------------------------------
     def progress(self) -> dict:
@@ -555,8 +625,12 @@ class Tracker:
             done = [b for b in self.batches.values() if b.state in ("acked", "released")]
             last = max(done, key=lambda b: b.batch).summary() if done else None
             t = self.totals
+        headroom = None
+        if last is not None and last.get("holdMs") is not None:
+            headroom = round(self.lock_ms - last["holdMs"], 1)
         return {"v": 1, "batch": planned, "inflightRecords": inflight, "agents": len(self.agents),
-                "maxRecordsPerConsumer": self.lock_safe_records,
+                "maxRecordsPerConsumer": self.lock_safe_records, "lockDurationMs": self.lock_ms,
+                "lockHeadroomMs": headroom,
                 "acquired": self.total_acquired, "accepted": t.accepted, "released": t.released,
                 "rejected": t.rejected, "expired": t.expired, "failed": t.failed,
                 "lastAcked": last}

@@ -100,7 +100,7 @@ def _send(kind: str, rows, reason: Optional[str]) -> int:
     if conn is None:
         raise VerdictError(f"query {qid} is not a running kafka-share query on this host")
     try:
-        conn.call({"op": "verdicts", "batch": batch, "kind": kind, "reason": reason,
+        conn.call({"op": "verdicts", "spark_batch": batch, "kind": kind, "reason": reason,
                    "records": [list(c) for c in coords]}, timeout=60)
     except wire.RemoteError as e:
         raise VerdictError(f"spark_share.{kind}(): {str(e).split(': ', 1)[-1]}") from None
@@ -145,7 +145,7 @@ def install_listener(spark) -> None:
             try:
                 conn = tracker_for(str(p.id))
                 if conn is not None:
-                    conn.call_async({"op": "committed", "batch": int(p.batchId)})
+                    conn.call_async({"op": "committed", "spark_batch": int(p.batchId)})
             except Exception:  # a listener must never break the query
                 log.debug("commit signal failed", exc_info=True)
 

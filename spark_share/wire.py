@@ -127,10 +127,11 @@ class RpcConnection:
 
     def __init__(self, sock: socket.socket, handler: Optional[Handler] = None,
                  on_close: Optional[Callable[["RpcConnection"], None]] = None, name: str = "rpc",
-                 workers: int = 4):
+                 workers: int = 4, scrub: Callable[[str], str] = lambda s: s):
         self.sock = sock
         self.name = name
         self._handler = handler
+        self._scrub = scrub
         self._on_close = on_close
         self._send_lock = threading.Lock()
         self._pending: Dict[int, Future] = {}
@@ -183,7 +184,7 @@ class RpcConnection:
                         fut.set_result((header, blob))
                 elif kind == "req" and self._pool is not None:
                     self._pool.submit(self._handle, rid, header, blob)
-        except (OSError, ConnectionError, ValueError):
+        except (OSError, ConnectionError, ValueError, RuntimeError):  # RuntimeError: pool shut down on close
             pass
         finally:
             self.close()
@@ -192,9 +193,9 @@ class RpcConnection:
         try:
             rep, rblob = self._handler(self, header, blob)
             rep = dict(rep or {})
-        except Exception as e:  # the peer gets the message; the secret is never in one
+        except Exception as e:  # the peer gets the message, scrubbed: client errors may quote configs
             log.debug("%s: handler failed for %s", self.name, header.get("op"), exc_info=True)
-            rep, rblob = {"_error": f"{type(e).__name__}: {e}"}, b""
+            rep, rblob = {"_error": self._scrub(f"{type(e).__name__}: {e}")}, b""
         try:
             send_frame(self.sock, dict(rep, _id=rid, _kind="rep"), rblob, self._send_lock)
         except OSError:
@@ -229,7 +230,7 @@ class RpcConnection:
 
 
 def connect(address, secret: str, handler: Optional[Handler] = None, timeout: float = 10.0,
-            name: str = "rpc", on_close=None) -> RpcConnection:
+            name: str = "rpc", on_close=None, scrub: Callable[[str], str] = lambda s: s) -> RpcConnection:
     """Connect to a TCP (host, port) or Unix socket path, authenticate, return the connection."""
     if isinstance(address, str):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -243,7 +244,7 @@ def connect(address, secret: str, handler: Optional[Handler] = None, timeout: fl
     except BaseException:
         sock.close()
         raise
-    return RpcConnection(sock, handler, on_close=on_close, name=name)
+    return RpcConnection(sock, handler, on_close=on_close, name=name, scrub=scrub)
 
 
 class RpcServer:
@@ -252,9 +253,11 @@ class RpcServer:
     Peers that fail the handshake are refused and logged (without the secret).
     """
 
-    def __init__(self, address, secret: str, handler: Handler, name: str = "server", on_close=None):
+    def __init__(self, address, secret: str, handler: Handler, name: str = "server", on_close=None,
+                 scrub: Callable[[str], str] = lambda s: s):
         self._secret = secret
         self._handler = handler
+        self._scrub = scrub
         self._on_close = on_close
         self.name = name
         self.refused = 0
@@ -302,8 +305,11 @@ class RpcServer:
             except OSError:
                 pass
             return
-        rpc = RpcConnection(conn, self._handler, on_close=self._closed, name=self.name, workers=8)
+        rpc = RpcConnection(conn, self._handler, on_close=self._closed, name=self.name, workers=8, scrub=self._scrub)
         with self._lock:
+            if self._stopped.is_set():  # admitted while closing: do not outlive the server
+                rpc.close()
+                return
             self.connections.append(rpc)
 
     def _closed(self, rpc: RpcConnection) -> None:

@@ -2,6 +2,7 @@
 helpers to find (and kill) the processes a query runs on."""
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -163,19 +164,44 @@ def _agent_tracker(p) -> Optional[str]:
     return None
 
 
+def our_processes() -> List[psutil.Process]:
+    """Processes this test run started (the Spark JVM and what it forked), never another program's."""
+    return psutil.Process().children(recursive=True)
+
+
 def python_workers() -> List[psutil.Process]:
-    """PySpark Python workers forked by pyspark.daemon (not the daemon itself)."""
+    """PySpark Python workers forked by this run's pyspark.daemon (not the daemon itself)."""
     out = []
-    for p in psutil.process_iter(["cmdline", "ppid"]):
+    for p in our_processes():
         try:
-            cmd = " ".join(p.info["cmdline"] or [])
-            if "pyspark.daemon" in cmd:
-                parent = psutil.Process(p.info["ppid"])
-                if "pyspark.daemon" in " ".join(parent.cmdline()):
-                    out.append(p)
+            if "pyspark.daemon" in " ".join(p.cmdline()) and "pyspark.daemon" in " ".join(p.parent().cmdline()):
+                out.append(p)
         except psutil.Error:
             continue
     return out
+
+
+def runner_processes() -> List[psutil.Process]:
+    """This run's python_streaming_source_runner processes (the trackers live there)."""
+    out = []
+    for p in our_processes():
+        try:
+            if any("python_streaming_source_runner" in part for part in p.cmdline()):
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
+def tracker_log(q) -> str:
+    """The log of the tracker that served query ``q`` (logs of other runs are left alone)."""
+    from spark_share.agent import runtime_dir
+
+    for path in glob.glob(os.path.join(runtime_dir(), "tracker-*.log")):
+        text = open(path).read()
+        if f"serves query {q.id}" in text:
+            return text
+    raise AssertionError(f"no tracker log names query {q.id}")
 
 
 def kill(procs: Iterable[psutil.Process]) -> int:

@@ -73,3 +73,28 @@ def test_a_session_poll_gives_up_when_asked(kafka):
         assert asked.is_set() and rb.num_rows == 0 and not s.busy
     finally:
         s.close().result(timeout=30)
+
+
+def test_a_first_poll_ends_once_the_session_has_joined_and_fetched(kafka, produce):
+    """A new session's first poll on an empty queue returns as soon as librdkafka reports it joined
+    with partitions and fetched since, not after the FIRST_POLL_MIN_MS fallback; on a queue with
+    records it returns them rather than giving up."""
+    from spark_share.agent import FIRST_POLL_MIN_MS
+
+    kafka.create_topic("empty", 1)
+    kafka.create_topic("full", 1)
+    produce(kafka, "full", 5)
+    conf = {"bootstrap.servers": kafka.bootstrap_servers, "share.acknowledgement.mode": "explicit"}
+    empty = ShareSession("t-e", dict(conf, **{"group.id": "e"}), ["empty"], False)
+    full = ShareSession("t-f", dict(conf, **{"group.id": "f"}), ["full"], False)
+    try:
+        t0 = time.monotonic()
+        rb, _ = empty.poll(0, 0, None, 60_000, lambda: empty.ready).result(timeout=90)
+        took = time.monotonic() - t0
+        assert rb.num_rows == 0 and empty.ready
+        assert took < FIRST_POLL_MIN_MS / 1000.0, f"the first poll waited {took:.1f} s"
+        rb, _ = full.poll(0, 0, None, 60_000, lambda: full.ready).result(timeout=90)
+        assert rb.num_rows == 5
+    finally:
+        empty.close().result(timeout=30)
+        full.close().result(timeout=30)

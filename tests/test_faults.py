@@ -5,9 +5,9 @@ explains its duplicates. Rows 1, 2, 6 and 11 of the matrix (foreachBatch raising
 stop mid-batch, task retry, re-execution) are in test_source.py."""
 from __future__ import annotations
 
-import glob
 import json
 import os
+import re
 import threading
 import time
 import uuid
@@ -19,7 +19,7 @@ import spark_share
 from spark_share.agent import runtime_dir
 from spark_share.embedded import EmbeddedKafka
 from support import (BatchCollector, Workload, agent_processes, batch_agents, check_no_loss, ids_of, kill, python_workers,
-                     read_stream, registry, wait_until)
+                     read_stream, registry, runner_processes, tracker_log, wait_until)
 
 pytestmark = pytest.mark.slow
 
@@ -45,24 +45,6 @@ def source_progress(q) -> dict:
     return json.loads(latest) if isinstance(latest, str) else latest
 
 
-def tracker_log(q_or_id) -> str:
-    text = ""
-    for path in glob.glob(os.path.join(runtime_dir(), "tracker-*.log")):
-        text += open(path).read()
-    return text
-
-
-def runner_processes():
-    out = []
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if any("python_streaming_source_runner" in part for part in (p.info["cmdline"] or [])):
-                out.append(p)
-        except psutil.Error:
-            continue
-    return out
-
-
 def test_row3_driver_side_killed_holding_records(spark, kafka, tmp_path):
     """The reader's runner process (the tracker) is SIGKILLed while a batch holds records: the
     agents see their tracker vanish, release everything and exit; a restart recovers all."""
@@ -74,7 +56,10 @@ def test_row3_driver_side_killed_holding_records(spark, kafka, tmp_path):
     def kill_runner(df, batch_id):
         df.count()
         state["agents"] = {p.pid for p in batch_agents(df)}
-        state["killed"] = kill(runner_processes())
+        qid = df.sparkSession.sparkContext.getLocalProperty("sql.streaming.queryId")
+        runner = registry(qid)["pid"]  # the tracker's process: this query's runner
+        assert runner in {p.pid for p in runner_processes()}
+        state["killed"] = kill([psutil.Process(runner)])
 
     q = (read_stream(spark, kafka, group, "r3").writeStream.foreachBatch(kill_runner)
          .option("checkpointLocation", ck).start())
@@ -96,10 +81,17 @@ def test_row4_python_worker_killed_while_read_waits(spark, kafka, tmp_path):
     collector = BatchCollector()
     q = (read_stream(spark, kafka, gid(), "r4", pollTimeoutMs=8000).writeStream.foreachBatch(collector)
          .option("checkpointLocation", str(tmp_path / "ck")).start())
+
+    def polling():
+        if not registry(q.id):
+            return False
+        return any(b.get("polling") for b in spark_share.status(q)["batches"])
+
     try:
-        wait_until(lambda: agent_processes() and python_workers(), timeout=60, message="no read in progress")
+        # A read task waits on the agent's poll (nothing to read yet, an 8 s poll): kill its worker.
+        wait_until(polling, timeout=60, message="no read in progress")
         killed = kill(python_workers())
-        assert killed >= 1
+        assert killed >= 1 and polling(), "the read was not in flight when its worker was killed"
         w.produce(100)
         wait_until(lambda: len(collector.rows) >= 100, timeout=60, message="records not delivered")
     finally:
@@ -143,6 +135,7 @@ def test_row7_share_fetch_errors(spark, tmp_path, inject):
     with EmbeddedKafka(brokers=2) as kafka:
         w = Workload(kafka, "r7", partitions=2)
         w.produce(300)
+        kafka.track_requests()
         if inject == "retriable":
             kafka.push_request_errors("ShareFetch", [6, 6, 7])  # NOT_LEADER_OR_FOLLOWER, REQUEST_TIMED_OUT
         elif inject == "fatal":
@@ -159,6 +152,10 @@ def test_row7_share_fetch_errors(spark, tmp_path, inject):
         collector = BatchCollector()
         q = run_available_now(spark, kafka, gid(), "r7", process, str(tmp_path / "ck"))
         assert q.exception() is None
+        if inject == "leader_move":
+            assert moved == [True]
+        else:  # the injected errors were served: more ShareFetch requests came than errors were queued
+            assert kafka.request_count("ShareFetch") > {"retriable": 3, "fatal": 1}[inject]
         check_no_loss(w.ids, collector.ids, duplicates_reason="share sessions reset by the injected fault")
 
 
@@ -200,6 +197,10 @@ def test_row9_broker_down_while_records_are_acquired(spark, kafka, tmp_path):
     for t in timers:
         t.join()
     assert q.exception() is None
+    # Batch 0's acknowledgement met the outage: it was held until the broker came back, or failed.
+    line = re.search(r"spark-share batch 0 \(group [^)]+\): .*", tracker_log(q)).group(0)
+    latency = int(re.search(r"ack latency (\d+) ms", line).group(1))
+    assert latency >= 1000 or "errors" in line, line
     check_no_loss(w.ids, collector.ids, duplicates_reason="records whose ack was lost with the broker")
 
 
@@ -226,6 +227,10 @@ def test_row10_batch_outlives_the_lock_and_batches_shrink(spark, kafka, tmp_path
     assert max(sizes[1:]) <= p["maxRecordsPerConsumer"] * 2, sizes
     log = tracker_log(q)
     assert "locks expired before the batch committed" in log and "share.record.lock.duration.ms" in log
+    expired = [int(n) for n in re.findall(r"spark-share batch \d+ \(group [^)]+\): acquired \d+, accepted \d+, "
+                                          r"released \d+, rejected \d+, expired (\d+)", log)]
+    assert log.count("locks expired before the batch committed") == sum(1 for n in expired if n), "not once per batch"
+    assert expired[-2:] == [0, 0], f"expiries did not stop once batches shrank: {expired}"
     check_no_loss(w.ids, collector.ids, duplicates_reason="records whose lock expired in the first batch")
 
 

@@ -33,6 +33,7 @@ def test_round_trip_with_blob(server):
 
 
 def test_wrong_or_missing_secret_is_refused_and_counted(server, caplog):
+    caplog.set_level("WARNING", logger="spark_share.wire")
     srv, seen = server
     with pytest.raises(wire.AuthError):
         wire.connect(srv.address, "wrong")
@@ -48,7 +49,24 @@ def test_wrong_or_missing_secret_is_refused_and_counted(server, caplog):
     from support import wait_until
     wait_until(lambda: srv.refused >= 2, timeout=10, message="refusals not counted")
     assert seen == []
+    refusals = [r for r in caplog.records if "refused a connection" in r.getMessage()]
+    assert len(refusals) == 2 and all(r.levelname == "WARNING" for r in refusals), caplog.text
     assert "s3cret-value" not in caplog.text
+
+
+def test_handler_errors_reach_the_peer_scrubbed():
+    def handler(conn, req, blob):
+        raise ValueError("client config rejected: sasl.password=hunter2-secret")
+
+    srv = wire.RpcServer(("127.0.0.1", 0), "k", handler, name="scrub", scrub=lambda s: s.replace("hunter2-secret", "***"))
+    try:
+        c = wire.connect(srv.address, "k")
+        with pytest.raises(wire.RemoteError) as e:
+            c.call({"op": "x"}, timeout=5)
+        assert "sasl.password=***" in str(e.value) and "hunter2" not in str(e.value)
+        c.close()
+    finally:
+        srv.close()
 
 
 def test_server_proves_itself_to_the_client():
