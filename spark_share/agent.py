@@ -34,14 +34,10 @@ log = logging.getLogger("spark_share.agent")
 
 SPAWN_TIMEOUT_S = 60.0
 # A new share consumer must join the group before records flow (a heartbeat interval on a real
-# broker); its first poll does not give up before it is this old, so an AvailableNow run does not
-# end early.
+# broker): its first poll may wait until it is this old, unless librdkafka reports earlier that it
+# joined and fetched (see ShareSession.poll), so an AvailableNow run does not end early.
 FIRST_POLL_MIN_MS = 5000
 JOIN_SETTLE_S = 1.0
-# Once a poll of a batch has brought records, the other (still empty) polls of that batch on this
-# host wait at most this much longer, or as long again as that poll took: a consumer whose
-# partitions are drained must not hold the batch for the whole poll timeout.
-POLL_LINGER_S = 0.2
 
 
 def runtime_dir() -> str:
@@ -154,29 +150,15 @@ class Cached:
     slot: int
     session: Optional[object]  # ShareSession that holds the records; None when the poll was empty
     ipc: bytes                 # what read tasks get
-    rows: int
+    rows: int                  # rows read tasks get
+    held: int                  # records the session holds for this slot (poison ones included)
     full: Optional[object] = None  # every record acquired, headers included: the dead-letter source
     query_id: Optional[str] = None
 
 
-def _ranges(offsets: List[int]) -> List[List[int]]:
-    """Sorted offsets as [first, last] runs: compact, and exact."""
-    out: List[List[int]] = []
-    for o in sorted(offsets):
-        if out and o == out[-1][1] + 1:
-            out[-1][1] = o
-        else:
-            out.append([o, o])
-    return out
-
-
 def _redelivered(rb) -> int:
     """Rows of a poll that the group delivered before (deliveryCount > 1)."""
-    if not rb.num_rows:
-        return 0
-    import pyarrow.compute as pc
-
-    return int(pc.sum(pc.greater(rb.column("deliveryCount"), 1)).as_py() or 0)
+    return int((rb.column("deliveryCount").to_numpy() > 1).sum()) if rb.num_rows else 0
 
 
 class Agent:
@@ -192,9 +174,10 @@ class Agent:
         self._resize_lock = threading.Lock()
         self._sessions: List = []
         self._reserved: set = set()
+        self._prefetched: Dict[object, object] = {}  # session -> Future of a poll no read has claimed yet
         self._last_taken: Dict[str, Tuple[int, float]] = {}  # session id -> (batch, when) of its last poll
-        self._first_rows: Dict[int, Tuple[float, float]] = {}  # batch -> (when, how long) its first poll with rows
         self._cache: Dict[Tuple[int, int], Cached] = {}
+        self._acks: Dict[int, tuple] = {}  # batch -> ({slot: (records held, future)}, timeout) until reported
         self._inflight: Dict[Tuple[int, int], threading.Event] = {}
         self._session_seq = 0
         self.done = threading.Event()
@@ -240,8 +223,10 @@ class Agent:
 
         A member joining later makes the group rebalance; the embedded broker ends the other
         members' share sessions then and hands their acquired records out again (duplicates)."""
+        settled = time.monotonic() + JOIN_SETTLE_S
         sessions = [self._new_session(max_poll_records) for _ in range(n)]
-        time.sleep(JOIN_SETTLE_S)
+        records.warm_up()  # meanwhile: the first conversion's one-time imports (pandas, through pyarrow)
+        time.sleep(max(0.0, settled - time.monotonic()))
         with self._lock:
             self._sessions.extend(sessions)
         log.info("agent %s: %d share sessions (max.poll.records %s) joined group %s", self.agent_id, n,
@@ -280,17 +265,12 @@ class Agent:
                 # Another host acquired this (batch, slot): relay its cached rows through the tracker.
                 rep, ipc = self.tracker.call({"op": "fetch", "batch": batch, "slot": slot}, timeout=120)
                 return {"rows": rep.get("rows", 0), "cached": True, "relayed": True}, ipc
-            session = self._take_session(batch, max_records)
+            session, polled = self._take_session(batch, max_records)
             try:
-                started = time.monotonic()
-                # A first poll waits for the group join; then an empty poll means an empty queue.
-                give_up = (lambda: self._others_done(batch)) if session.polls else (lambda: session.ready)
-                rb, holding = session.poll(batch, slot, max_records, self._budget(session, poll_timeout_ms),
-                                           give_up).result()
-                if rb.num_rows:
-                    with self._lock:
-                        now = time.monotonic()
-                        self._first_rows.setdefault(batch, (now, now - started))
+                if polled is None:
+                    polled = session.poll(batch, slot, max_records, self._budget(session, poll_timeout_ms))
+                rb, holding = polled.result()
+                holding.batch, holding.slot = batch, slot
             except BaseException:
                 self._give_back(session)
                 raise
@@ -303,14 +283,14 @@ class Agent:
                 self.tracker.call({"op": "acquired", "batch": batch, "slot": slot, "session": session.session_id,
                                    "rows": rb.num_rows, "acquired_at": holding.acquired_at, "poison": poison,
                                    "redelivered": _redelivered(rb), "spark_batch": spark_batch,
-                                   "offsets": {t: {str(p): _ranges(o) for p, o in parts.items()}
+                                   "offsets": {t: {str(p): runs for p, runs in parts.items()}
                                                for t, parts in acquired.items()}}, timeout=60)
             except BaseException:
                 if rb.num_rows:
                     session.release_all(30).result(35)
                 self._give_back(session)
                 raise
-            entry = Cached(batch, slot, session if rb.num_rows else None, ipc, out.num_rows,
+            entry = Cached(batch, slot, session if rb.num_rows else None, ipc, out.num_rows, rb.num_rows,
                            full=rb if self.config.get("dead_letter") else None, query_id=query_id)
             if not rb.num_rows:
                 self._give_back(session)
@@ -322,10 +302,6 @@ class Agent:
                 ev = self._inflight.pop(key, None)
             if ev is not None:
                 ev.set()
-
-    def _others_done(self, batch: int) -> bool:
-        first = self._first_rows.get(batch)
-        return first is not None and time.monotonic() - first[0] >= max(POLL_LINGER_S, first[1])
 
     @staticmethod
     def _budget(session, poll_timeout_ms: int) -> int:
@@ -342,20 +318,23 @@ class Agent:
         poison = []
         limit = self.config.get("max_delivery_count")
         if limit and rb.num_rows:
-            import pyarrow.compute as pc
+            import pyarrow as pa
 
-            bad = pc.greater_equal(rb.column("deliveryCount"), limit)
-            if pc.any(bad).as_py():
-                hit = rb.filter(bad)
+            bad = rb.column("deliveryCount").to_numpy() >= limit
+            if bad.any():
+                hit = rb.filter(pa.array(bad))
                 poison = [[t, p, o, c] for t, p, o, c in zip(*(hit.column(n).to_pylist() for n in
                                                                ("topic", "partition", "offset", "deliveryCount")))]
-                rb = rb.filter(pc.invert(bad))
+                rb = rb.filter(pa.array(~bad))
         if not self.config["include_headers"] and "headers" in rb.schema.names:
             rb = rb.drop_columns(["headers"])
         return rb, poison
 
     def _take_session(self, batch: int, max_records: Optional[int]):
-        """Reserve a free session whose polls are no bigger than ``max_records``.
+        """Reserve a session for a read of ``batch``: (session, its prefetched poll or None).
+
+        A session that polled ahead for this batch (``prefetch``) comes first; otherwise a free
+        session whose polls are no bigger than ``max_records``.
 
         Sessions not yet polled in this batch come first, then the longest unpolled: the broker
         gives each member its own partitions, so a session that is never polled leaves its
@@ -367,7 +346,8 @@ class Agent:
         releasing the excess, and every release counts as a delivery."""
         with self._resize_lock:
             with self._lock:
-                free = [s for s in self._sessions if s not in self._reserved and not s.busy]
+                free = [s for s in self._sessions if s not in self._reserved and not s.busy
+                        and s not in self._prefetched]
                 if max_records is not None and any(s.max_poll_records > max_records for s in free):
                     for s in free:
                         self._sessions.remove(s)
@@ -381,18 +361,32 @@ class Agent:
                 self._start_sessions(len(stale), max_records)
                 log.info("agent %s: batch size lowered: polls now take at most %d records", self.agent_id, max_records)
             with self._lock:
-                fits = [s for s in self._sessions if s not in self._reserved and not s.busy
-                        and (max_records is None or s.max_poll_records <= max_records)]
+                fits = [s for s in self._sessions if s not in self._reserved and (
+                    s in self._prefetched or (not s.busy and (max_records is None or s.max_poll_records <= max_records)))]
                 if fits:
-                    s = min(fits, key=lambda s: self._poll_order(s, batch))
+                    s = min(fits, key=lambda s: (s not in self._prefetched, self._poll_order(s, batch)))
                     self._reserve(s, batch)
-                    return s
+                    return s, self._prefetched.pop(s, None)
         s = self._new_session(max_records)
         with self._lock:
             self._sessions.append(s)
             self._reserve(s, batch)
         log.info("agent %s: started share session %s", self.agent_id, s.session_id)
-        return s
+        return s, None
+
+    def _prefetch(self, batch: int, count: int, max_records: Optional[int], poll_timeout_ms: int) -> dict:
+        """Start the polls of ``batch`` on up to ``count`` free sessions now, while Spark still
+        writes its offsets and schedules the read tasks: the reads then find them done or under
+        way. A poll no read of this batch claims is claimed by the next one (its records stay
+        held until then, and are released if the query stops)."""
+        with self._lock:
+            free = [s for s in self._sessions if s not in self._reserved and not s.busy and s not in self._prefetched
+                    and (max_records is None or s.max_poll_records <= max_records)]
+            chosen = sorted(free, key=lambda s: self._poll_order(s, batch))[:count]
+            for s in chosen:
+                self._prefetched[s] = s.poll(batch, -1, max_records, self._budget(s, poll_timeout_ms))
+                self._last_taken[s.session_id] = (batch, time.monotonic())
+        return {"polling": len(chosen)}
 
     def _poll_order(self, session, batch: int) -> Tuple[bool, float]:
         last_batch, when = self._last_taken.get(session.session_id, (-1, 0.0))
@@ -412,6 +406,11 @@ class Agent:
         if op == "ack":
             return self._ack(int(req["batch"]), req.get("verdicts") or [], int(req.get("default", 1)),
                              float(req.get("timeout_s", 30))), b""
+        if op == "ack_result":
+            return self._ack_result(int(req["batch"])), b""
+        if op == "prefetch":
+            return self._prefetch(int(req["batch"]), int(req["count"]), req.get("max_records"),
+                                  int(req.get("poll_timeout_ms", 1000))), b""
         if op == "deadletter":
             return self._dead_letter(int(req["batch"]), req["records"]), b""
         if op == "fetch":
@@ -441,33 +440,37 @@ class Agent:
         return {"written": written}
 
     def _ack(self, batch: int, verdicts: list, default: int, timeout_s: float) -> dict:
-        """Acknowledge every slot of ``batch`` held here: ``default`` unless a verdict says otherwise."""
+        """Queue the acknowledgement of every slot of ``batch`` held here (``default`` unless a
+        verdict says otherwise) on the consumers that acquired them, ahead of their next poll, and
+        return: ``ack_result`` reports what the broker answered."""
         from .session import ACCEPT
 
         vmap = {(t, int(p), int(o)): int(k) for t, p, o, k, *_ in verdicts}
         with self._lock:
             entries = [e for (b, _), e in self._cache.items() if b == batch]
-        futs = {}
-        for e in entries:
-            if e.session is None:
-                continue
-            if default == ACCEPT:
-                futs[e.slot] = e.session.acknowledge(vmap, timeout_s)
-            else:
-                futs[e.slot] = e.session.release_all(timeout_s)
-        wait_futures(list(futs.values()), timeout=timeout_s + 5)
+            futs = {}
+            for e in entries:
+                self._cache.pop((e.batch, e.slot), None)
+                if e.session is None:
+                    continue
+                if default == ACCEPT:
+                    futs[e.slot] = (e.held, e.session.acknowledge(vmap, timeout_s))
+                else:
+                    futs[e.slot] = (e.held, e.session.release_all(timeout_s))
+                self._reserved.discard(e.session)  # free for the next batch: its poll queues behind this
+            self._acks[batch] = (futs, timeout_s)
+        return {"queued": len(futs)}
+
+    def _ack_result(self, batch: int) -> dict:
+        with self._lock:
+            futs, timeout_s = self._acks.pop(batch, ({}, 0.0))
+        wait_futures([f for _, f in futs.values()], timeout=timeout_s + 5)
         out = {}
-        for slot, f in futs.items():
+        for slot, (held, f) in futs.items():
             try:
                 out[str(slot)] = f.result(timeout=0).as_dict()
             except Exception as ex:
-                out[str(slot)] = {"failed": -1, "errors": {type(ex).__name__: 1}}
-        with self._lock:
-            self._first_rows.pop(batch, None)
-            for e in entries:
-                self._cache.pop((e.batch, e.slot), None)
-                if e.session is not None:
-                    self._reserved.discard(e.session)
+                out[str(slot)] = {"failed": held, "errors": {type(ex).__name__: held}}
         return {"slots": out}
 
     # lifecycle ------------------------------------------------------------------------------

@@ -103,7 +103,9 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         t = self._t()
         last = _batch_of(start)
         # Spark calls latestOffset(start) only once the batch ending at start is in the commit log.
-        t.batch_committed(last)
+        # Its acknowledgements are queued on the consumers before this returns; the broker's answers
+        # are collected while Spark writes the next offsets and plans.
+        t.batch_committed(last, wait=False)
         if not t.should_run(last):
             return start
         t.plan(last + 1, limit.max_rows if isinstance(limit, ReadMaxRows) else None)

@@ -24,8 +24,8 @@ log = logging.getLogger("spark_share.session")
 
 ACCEPT, RELEASE, REJECT = 1, 2, 3
 VERDICT_NAMES = {ACCEPT: "accepted", RELEASE: "released", REJECT: "rejected"}
-POLL_SLICE_S = 0.05  # how often an empty poll asks whether to give up
-STATS_INTERVAL_MS = "200"  # how often librdkafka reports the group state a first poll waits on
+POLL_SLICE_S = 0.05  # how often an empty poll looks at the fetch state
+STATS_INTERVAL_MS = "100"  # how often librdkafka reports the group and fetch state an empty poll ends on
 ERR_INVALID_RECORD_STATE = 121  # the lock expired (or the record is no longer acquired by us)
 
 
@@ -87,10 +87,9 @@ class ShareSession:
         self._queue: "queue.Queue[Optional[Tuple[Callable, Future]]]" = queue.Queue()
         self._closed = False
         self.max_poll_records = int(conf.get("max.poll.records", 500))
-        # Set once the consumer has joined with partitions and a fetch went out after that: an empty
-        # poll then means "nothing to read", not "not joined yet".
-        self.ready = False
-        self._fetches_at_join: Optional[int] = None
+        self._stats: Tuple[float, str] = (0.0, "")  # (when, text) of librdkafka's latest statistics
+        self._acks_queued = 0
+        self._acks_lock = threading.Lock()
         conf = dict(conf)
         conf.setdefault("statistics.interval.ms", STATS_INTERVAL_MS)
         conf["stats_cb"] = self._on_stats
@@ -105,25 +104,35 @@ class ShareSession:
 
     @property
     def busy(self) -> bool:
-        return self.holding is not None
+        """Holds records nobody has asked it to acknowledge yet. Once an acknowledgement is queued
+        the session may take its next poll: the queue runs the acknowledgement first."""
+        return self.holding is not None and not self._acks_queued
 
     def _on_stats(self, text: str) -> None:
-        """librdkafka's statistics (served inside poll): the group state and the ShareFetch count."""
-        if self.ready:
-            return
+        # Served inside poll(); parsed only when an empty poll looks at it.
+        self._stats = (time.monotonic(), text)
+
+    def _fetch_state(self, since: float) -> Optional[Tuple[bool, Dict[str, int]]]:
+        """(joined with partitions, ShareFetch requests sent per broker) from statistics taken after
+        ``since`` (a time.monotonic(); librdkafka stamps them on the same clock, in microseconds:
+        they may be served well after they were taken); None when there are none yet."""
         import json
 
+        when, text = self._stats
+        if when <= since or not text:
+            return None
         try:
             st = json.loads(text)
+            if st["ts"] / 1e6 <= since:
+                return None
             cgrp = st.get("cgrp") or {}
-            fetches = sum(b.get("req", {}).get("ShareFetch", 0) for b in st.get("brokers", {}).values())
-        except (ValueError, AttributeError):
-            return
-        if self._fetches_at_join is None:
-            if cgrp.get("join_state") == "steady" and cgrp.get("assignment_size", 0) > 0:
-                self._fetches_at_join = fetches
-        elif fetches >= self._fetches_at_join + 2:  # one fetch was sent, and answered, after the join
-            self.ready = True
+            sent = {name: b["req"]["ShareFetch"] for name, b in st["brokers"].items()
+                    if b.get("req", {}).get("ShareFetch")}
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return None
+        if cgrp.get("join_state") != "steady":
+            return None
+        return cgrp.get("assignment_size", 0) > 0, sent
 
     def _submit(self, fn: Callable) -> Future:
         fut: Future = Future()
@@ -147,18 +156,30 @@ class ShareSession:
                 fut.set_exception(e)
 
     # commands ---------------------------------------------------------------------------
-    def poll(self, batch: int, slot: int, max_records: Optional[int], timeout_ms: int,
-             give_up: Optional[Callable[[], bool]] = None) -> Future:
-        """Acquire one poll for (batch, slot). Result: (RecordBatch, Holding). While nothing has
-        arrived, ``give_up()`` is asked every POLL_SLICE_S whether to return empty before the timeout."""
-        return self._submit(lambda: self._poll(batch, slot, max_records, timeout_ms, give_up))
+    def poll(self, batch: int, slot: int, max_records: Optional[int], timeout_ms: int) -> Future:
+        """Acquire one poll for (batch, slot). Result: (RecordBatch, Holding). Returns as soon as
+        records arrive; empty once a fetch sent after the poll began came back without any (the
+        queue has nothing for this consumer now), or after ``timeout_ms``."""
+        return self._submit(lambda: self._poll(batch, slot, max_records, timeout_ms))
 
     def acknowledge(self, verdicts: Dict[Tuple[str, int, int], int], timeout_s: float) -> Future:
         """Acknowledge everything held: ACCEPT unless ``verdicts`` says otherwise. Result: AckOutcome."""
-        return self._submit(lambda: self._acknowledge(verdicts, ACCEPT, timeout_s))
+        return self._submit_ack(lambda: self._acknowledge(verdicts, ACCEPT, timeout_s))
 
     def release_all(self, timeout_s: float) -> Future:
-        return self._submit(lambda: self._acknowledge({}, RELEASE, timeout_s))
+        return self._submit_ack(lambda: self._acknowledge({}, RELEASE, timeout_s))
+
+    def _submit_ack(self, fn: Callable) -> Future:
+        with self._acks_lock:
+            self._acks_queued += 1
+
+        def run():
+            try:
+                return fn()
+            finally:
+                with self._acks_lock:
+                    self._acks_queued -= 1
+        return self._submit(run)
 
     def close(self) -> Future:
         """Release what is held (close() does) and leave the group."""
@@ -168,27 +189,39 @@ class ShareSession:
         return fut
 
     # on the session thread ----------------------------------------------------------------
-    def _poll(self, batch, slot, max_records, timeout_ms, give_up=None):
+    def _drained(self, started: float, base: Dict[str, int]) -> bool:
+        """Has every broker this consumer fetches from answered a fetch sent after the poll began?
+        ``base`` holds the first counts seen after it began. A consumer in the group with no
+        partitions (more consumers than partitions on a broker that does not share them) has
+        nothing to wait for."""
+        state = self._fetch_state(started)
+        if state is None:
+            return False
+        assigned, sent = state
+        if not assigned:
+            return True
+        if not base:
+            base.update(sent)
+            return False
+        # Fetches go out one at a time per broker: a count two past the first one seen after the
+        # poll began means a fetch sent after it has been answered (with nothing, or poll() would
+        # have returned its records).
+        return bool(sent) and all(sent.get(b, 0) >= n + 2 for b, n in base.items())
+
+    def _poll(self, batch, slot, max_records, timeout_ms):
         if self.holding is not None:
             raise RuntimeError(f"session {self.session_id} still holds batch {self.holding.batch} "
                                f"slot {self.holding.slot}; it must be acknowledged first")
         self.polls += 1
-        deadline = time.monotonic() + timeout_ms / 1000.0
+        started = time.monotonic()
+        deadline = started + timeout_ms / 1000.0
+        base: Dict[str, int] = {}
         msgs: list = []
-        asked = False
         while True:
             left = max(0.0, deadline - time.monotonic())
-            msgs = list(self.consumer.poll(min(left, POLL_SLICE_S) if give_up else left))
-            if msgs or time.monotonic() >= deadline:
+            msgs = list(self.consumer.poll(min(left, POLL_SLICE_S)))
+            if msgs or time.monotonic() >= deadline or self._drained(started, base):
                 break
-            # Give up only if asked twice in a row: records a fetch brought just before are
-            # returned by the poll in between.
-            if give_up is not None and give_up():
-                if asked:
-                    break
-                asked = True
-            else:
-                asked = False
         good = [m for m in msgs if m.error() is None]
         for m in msgs:
             if m.error() is not None:
@@ -197,7 +230,7 @@ class ShareSession:
         excess = []
         if max_records is not None and len(good) > max_records:
             good, excess = good[:max_records], good[max_records:]
-        rb, acquired, _ = records.to_record_batch(good, self.include_headers)
+        rb, acquired = records.to_record_batch(good, self.include_headers)
         holding = Holding(batch, slot, acquired, rb.num_rows, time.time())
         if rb.num_rows:
             self.holding = holding
@@ -218,19 +251,21 @@ class ShareSession:
             return out
         per_tp: Dict[Tuple[str, int], Dict[int, int]] = {}
         c = self.consumer
+        ack = c.acknowledge_offset
         for topic, parts in h.acquired.items():
-            for part, offsets in parts.items():
+            for part, runs in parts.items():
                 counts = per_tp.setdefault((topic, part), {})
-                for off in offsets:
-                    kind = verdicts.get((topic, part, off), default) if verdicts else default
-                    try:
-                        c.acknowledge_offset(topic, part, off, kind)
-                    except Exception as e:  # no longer in flight for us: counted, comes back from the broker
-                        code, name = _error_code(e)
-                        out.failed += 1
-                        out.errors[name] = out.errors.get(name, 0) + 1
-                        continue
-                    counts[kind] = counts.get(kind, 0) + 1
+                for lo, hi in runs:
+                    for off in range(lo, hi + 1):
+                        kind = verdicts.get((topic, part, off), default) if verdicts else default
+                        try:
+                            ack(topic, part, off, kind)
+                        except Exception as e:  # no longer in flight for us: counted, comes back from the broker
+                            code, name = _error_code(e)
+                            out.failed += 1
+                            out.errors[name] = out.errors.get(name, 0) + 1
+                            continue
+                        counts[kind] = counts.get(kind, 0) + 1
         self.holding = None
         try:
             result = c.commit_sync(timeout_s)

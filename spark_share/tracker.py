@@ -20,6 +20,7 @@ import socket
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
@@ -53,7 +54,8 @@ class BatchState:
     acquired: Dict[int, dict] = field(default_factory=dict)      # slot -> {session, rows, offsets, acquired_at}
     verdicts: Dict[Tuple[str, int, int], Tuple[int, Optional[str]]] = field(default_factory=dict)
     spark_batch: Optional[int] = None                            # Spark's batch id, learnt from the read tasks
-    state: str = "planned"                                       # planned -> acking -> acked | released
+    # planned -> acking (being sent) -> queued (on the consumers, ahead of their next poll) -> acked | released
+    state: str = "planned"
     committed_at: Optional[float] = None
     acked_at: Optional[float] = None
     outcome: AckOutcome = field(default_factory=AckOutcome)
@@ -196,6 +198,17 @@ def _log_to_file(path: str) -> logging.Handler:
     return h
 
 
+def _live_registry(path: str) -> Optional[dict]:
+    """The registry entry at ``path`` if the tracker that wrote it still runs."""
+    try:
+        with open(path) as f:
+            reg = json.load(f)
+        os.kill(int(reg["pid"]), 0)
+        return reg
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _bind_host() -> str:
     """The narrowest interface executors can reach: loopback in local mode, else the address they
     already reach the driver on. ``register()`` passes the master and driver host to this process
@@ -218,6 +231,7 @@ class Tracker:
         self._secrets = opts.secret_values()
         self._lock = threading.RLock()
         self._acked = threading.Condition(self._lock)  # a batch's acknowledgement finished
+        self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spark-share-acks")
         self.failure: Optional[str] = None  # why the query must stop (set once, raised by latestOffset)
         self.batches: Dict[int, BatchState] = {}
         self.agents: Dict[str, wire.RpcConnection] = {}
@@ -430,13 +444,22 @@ class Tracker:
 
     def _register_query(self, query_id: str) -> None:
         """Write host/port/secret where the user's process on this host (foreachBatch) finds it."""
-        self.query_id = query_id
         path = os.path.join(runtime_dir(), f"query-{query_id}.json")
+        other = _live_registry(path)
+        if other and other.get("tracker_id") != self.tracker_id:
+            # The user's process finds a query's tracker by the query id alone: a second kafka-share
+            # source in the same query would take the first one's verdicts and commit signals.
+            raise SourceError("this query reads two kafka-share sources; spark-share supports one per query: "
+                              "run a query per share group (or subscribe one source to several topics)")
+        self.query_id = query_id
         fd = os.open(path + ".tmp", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump({"host": self.address[0], "port": self.address[1], "secret": self.secret,
                        "tracker_id": self.tracker_id, "pid": os.getpid()}, f)
         os.replace(path + ".tmp", path)
+        if (_live_registry(path) or {}).get("tracker_id") != self.tracker_id:  # the other source won a race
+            raise SourceError("this query reads two kafka-share sources; spark-share supports one per query: "
+                              "run a query per share group (or subscribe one source to several topics)")
         self._registry_path = path
         log.info("spark-share tracker %s serves query %s", self.tracker_id, query_id)
 
@@ -445,8 +468,17 @@ class Tracker:
         self.metadata.refresh()
         self.available_now_target = dict(self.metadata.high)
 
+    def _seen_all(self) -> bool:
+        """Has this AvailableNow run acquired every record below the start's high watermarks?"""
+        return all(self.max_seen.get(tp, -1) >= hw - 1 for tp, hw in self.available_now_target.items() if hw > 0)
+
     def should_run(self, last_batch: int) -> bool:
         """Is a batch after ``last_batch`` worth running? Answers from memory."""
+        if self.available_now_target is not None and self.planned_any and not self.closing:
+            last = self.batches.get(last_batch)
+            if not (last is not None and last.rows and not self._seen_all()):
+                # The run may end here: what the acknowledgements gave back decides, so wait for them.
+                self._wait_acked(last_batch)
         with self._lock:
             last = self.batches.get(last_batch)
             if self.available_now_target is not None:
@@ -466,8 +498,7 @@ class Tracker:
                 target = self.available_now_target
                 # Stop at once when every record below the start's watermarks has been seen (saves the
                 # empty batch that would otherwise prove it), or once a batch brought only newer records.
-                if self.redeliveries_due == 0 and all(self.max_seen.get(tp, -1) >= hw - 1
-                                                      for tp, hw in target.items() if hw > 0):
+                if self.redeliveries_due == 0 and self._seen_all():
                     self.closing = True
                     return True
                 return any(lo < target.get(tp, 0) for tp, lo in last.min_offsets().items())
@@ -485,13 +516,33 @@ class Tracker:
     def plan(self, batch: int, max_records: Optional[int]) -> BatchState:
         with self._lock:
             b = self.batches.get(batch)
-            if b is None:
+            new = b is None
+            if new:
                 slots = 0 if self.closing else self.slots_for(max_records)
                 b = self.batches[batch] = BatchState(batch, slots, max_records)
             self.planned_any = True
             self.last_plan_time = time.monotonic()
             self.last_plan_hw_version = self.metadata.version
-            return b
+        if new and b.slots:
+            self._prefetch(b)
+        return b
+
+    def _prefetch(self, b: BatchState) -> None:
+        """Ask each agent to start the polls of ``b`` now, as many as it read slots of the last
+        batch that was read (its read tasks will likely land there again)."""
+        with self._lock:
+            read = [x for n, x in sorted(self.batches.items()) if n < b.batch and x.claims]
+            if not read:
+                return
+            per_agent: Dict[str, int] = {}
+            for agent_id in read[-1].claims.values():
+                per_agent[agent_id] = per_agent.get(agent_id, 0) + 1
+            conns = {a: self.agents.get(a) for a in per_agent}
+        budget = self.slot_budgets(b)[0]
+        for agent_id, n in per_agent.items():
+            if conns[agent_id] is not None:
+                conns[agent_id].call_async({"op": "prefetch", "batch": b.batch, "count": min(n, b.slots),
+                                            "max_records": budget, "poll_timeout_ms": self.opts.poll_timeout_ms})
 
     def slot_budgets(self, b: BatchState) -> List[Optional[int]]:
         per_slot = None if b.max_records is None else max(1, b.max_records // max(1, b.slots))
@@ -510,15 +561,18 @@ class Tracker:
                 b.committed_at = time.time()
         for b in todo:
             self._acknowledge(b, ACCEPT)
+        # Another thread (the commit listener) may be sending some of them: they must be queued on
+        # the consumers before a poll of the next batch can be.
+        self._wait_acked(upto, ("acking",))
         if wait:
             self._wait_acked(upto)
         if self.failure:
             raise SourceError(self.failure)
 
-    def _wait_acked(self, upto: int) -> None:
-        """Until no batch <= ``upto`` is still being acknowledged by another thread (bounded)."""
+    def _wait_acked(self, upto: int, pending=("acking", "queued")) -> None:
+        """Until no batch <= ``upto`` is in a ``pending`` state (bounded by the ack timeout)."""
         with self._acked:
-            self._acked.wait_for(lambda: all(b.state != "acking" for n, b in self.batches.items() if n <= upto),
+            self._acked.wait_for(lambda: all(b.state not in pending for n, b in self.batches.items() if n <= upto),
                                  timeout=self.opts.ack_timeout_ms / 1000.0 + 5)
 
     def _acknowledge(self, b: BatchState, default: int) -> None:
@@ -543,15 +597,33 @@ class Tracker:
                                 "its records were released and come back when the query is restarted after the "
                                 "target is fixed")
                 default, verdicts = RELEASE, []
-        futs = {}
+        queued = {}
         for agent_id, conn in conns.items():
             if conn is None:
-                n = sum(a["rows"] for a in b.acquired.values() if a["agent"] == agent_id)
-                b.outcome.failed += n
-                b.outcome.errors["AGENT_LOST"] = b.outcome.errors.get("AGENT_LOST", 0) + n
+                self._count_failed(b, agent_id, "AGENT_LOST")
                 continue
-            futs[agent_id] = conn.call_async({"op": "ack", "batch": b.batch, "verdicts": verdicts,
-                                              "default": default, "timeout_s": timeout_s})
+            try:
+                # Returns once the agent has queued the acknowledgement on each consumer, ahead of
+                # any later poll of it: the broker's answers are collected off Spark's path.
+                conn.call({"op": "ack", "batch": b.batch, "verdicts": verdicts, "default": default,
+                           "timeout_s": timeout_s}, timeout=timeout_s + 10)
+                queued[agent_id] = conn
+            except Exception as e:
+                self._count_failed(b, agent_id, type(e).__name__)
+        with self._lock:
+            b.state = "queued"
+            self._acked.notify_all()
+        self._finisher.submit(self._finish_ack, b, default, queued, timeout_s)
+
+    def _count_failed(self, b: BatchState, agent_id: str, why: str) -> None:
+        n = sum(a["rows"] for a in b.acquired.values() if a["agent"] == agent_id)
+        b.outcome.failed += n
+        b.outcome.errors[why] = b.outcome.errors.get(why, 0) + n
+
+    def _finish_ack(self, b: BatchState, default: int, queued: dict, timeout_s: float) -> None:
+        """Collect what the broker answered to the acknowledgements of ``b`` and account for them.
+        Runs on one thread, so batches finish in the order they were acknowledged."""
+        futs = {a: c.call_async({"op": "ack_result", "batch": b.batch}) for a, c in queued.items()}
         wait_futures(list(futs.values()), timeout=timeout_s + 10)
         for agent_id, f in futs.items():
             try:
@@ -559,14 +631,10 @@ class Tracker:
                 for slot_out in rep["slots"].values():
                     b.outcome.add(AckOutcome.from_dict(slot_out))
             except Exception as e:
-                n = sum(a["rows"] for a in b.acquired.values() if a["agent"] == agent_id)
-                b.outcome.failed += n
-                name = type(e).__name__
-                b.outcome.errors[name] = b.outcome.errors.get(name, 0) + n
+                self._count_failed(b, agent_id, type(e).__name__)
         with self._lock:
             b.acked_at = time.time()
             b.state = "acked" if default == ACCEPT else "released"
-            self._acked.notify_all()
             self.totals.add(b.outcome)
             if self.available_now_target is not None:
                 self.redeliveries_due += b.outcome.released + b.outcome.failed + b.outcome.expired
@@ -579,6 +647,7 @@ class Tracker:
                 cap = max(1, biggest // 2)
                 if self.lock_safe_records is None or cap < self.lock_safe_records:
                     self.lock_safe_records = cap
+            self._acked.notify_all()
         self._log_batch(b)
 
     def _write_dead_letters(self, b: BatchState, conns: dict, rejects: list) -> Optional[str]:
@@ -621,7 +690,7 @@ class Tracker:
     def progress(self) -> dict:
         with self._lock:
             planned = max(self.batches) if self.batches else None
-            inflight = sum(b.rows for b in self.batches.values() if b.state in ("planned", "acking"))
+            inflight = sum(b.rows for b in self.batches.values() if b.state in ("planned", "acking", "queued"))
             done = [b for b in self.batches.values() if b.state in ("acked", "released")]
             last = max(done, key=lambda b: b.batch).summary() if done else None
             t = self.totals
@@ -644,18 +713,20 @@ class Tracker:
         return out
 
     # shutdown -----------------------------------------------------------------------------
-    def shutdown(self, committed_upto: Optional[int] = None) -> None:
-        """ACCEPT what is known committed, RELEASE every other held batch, stop agents, close."""
+    def shutdown(self) -> None:
+        """RELEASE every batch not known to be committed (committed ones are being acknowledged),
+        wait for the broker's answers, stop agents, close."""
         if self._closed:
             return
-        if committed_upto is not None:
-            self.batch_committed(committed_upto, wait=True)
         with self._lock:
             pending = [b for _, b in sorted(self.batches.items()) if b.state == "planned"]
             for b in pending:
                 b.state = "acking"
         for b in pending:
             self._acknowledge(b, RELEASE)
+        if self.batches:
+            self._wait_acked(max(self.batches))
+        self._finisher.shutdown(wait=True)
         self._closed = True
         with self._lock:
             conns = list(self.agents.values())

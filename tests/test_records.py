@@ -21,31 +21,37 @@ class Msg:
 
 def test_schema_matches_spark_and_rows_convert():
     msgs = [Msg("t", 0, 5, b"k", b"v", count=2), Msg("t", 1, 7, None, None, ts=(0, -1)), Msg("u", 0, 1, b"", b"x" * (1 << 20))]
-    rb, acquired, errors = records.to_record_batch(msgs, include_headers=False)
-    assert rb.schema == records.ARROW_SCHEMA and errors == []
+    rb, acquired = records.to_record_batch(msgs, include_headers=False)
+    assert rb.schema == records.ARROW_SCHEMA
     rows = rb.to_pylist()
     assert rows[0]["key"] == b"k" and rows[0]["deliveryCount"] == 2 and rows[0]["timestampType"] == 0
     assert rows[0]["timestamp"].timestamp() == 1_700_000_000.123
     assert rows[1]["key"] is None and rows[1]["value"] is None and rows[1]["timestamp"] is None
     assert rows[1]["timestampType"] == -1
     assert len(rows[2]["value"]) == 1 << 20 and rows[2]["key"] == b""
-    assert acquired == {"t": {0: [5], 1: [7]}, "u": {0: [1]}}
+    assert acquired == {"t": {0: [[5, 5]], 1: [[7, 7]]}, "u": {0: [[1, 1]]}}
 
 
-def test_headers_and_errors():
+def test_acquired_offsets_are_exact_sorted_runs_per_partition():
+    offs = [(0, 4), (1, 9), (0, 2), (0, 3), (1, 10), (0, 7), (0, 8), (1, 8)]  # out of order, with gaps
+    msgs = [Msg("t" if p == 0 else "u", p, o, b"k", b"v") for p, o in offs]
+    _, acquired = records.to_record_batch(msgs, include_headers=False)
+    assert acquired == {"t": {0: [[2, 4], [7, 8]]}, "u": {1: [[8, 10]]}}
+
+
+def test_headers():
     hs = [("h%d" % i, b"v%d" % i) for i in range(50)] + [("nullvalue", None)]
-    msgs = [Msg("t", 0, 1, b"k", b"v", headers=hs), Msg("t", 0, 2, b"k", b"v", headers=None),
-            Msg("t", 0, 3, None, None, err="boom")]
-    rb, acquired, errors = records.to_record_batch(msgs, include_headers=True)
+    msgs = [Msg("t", 0, 1, b"k", b"v", headers=hs), Msg("t", 0, 2, b"k", b"v", headers=None)]
+    rb, acquired = records.to_record_batch(msgs, include_headers=True)
     assert rb.schema == records.ARROW_SCHEMA_HEADERS
     rows = rb.to_pylist()
     assert len(rows) == 2 and len(rows[0]["headers"]) == 51 and rows[0]["headers"][3] == {"key": "h3", "value": b"v3"}
     assert rows[0]["headers"][50] == {"key": "nullvalue", "value": None} and rows[1]["headers"] == []
-    assert acquired == {"t": {0: [1, 2]}} and errors == [("t", 0, 3, "boom")]
+    assert acquired == {"t": {0: [[1, 2]]}}
 
 
 def test_ipc_round_trip_including_empty():
-    rb, _, _ = records.to_record_batch([Msg("t", 0, 1, b"k", b"v")], False)
+    rb, _ = records.to_record_batch([Msg("t", 0, 1, b"k", b"v")], False)
     assert records.from_ipc(records.to_ipc(rb))[0].equals(rb)
-    empty, _, _ = records.to_record_batch([], False)
+    empty, _ = records.to_record_batch([], False)
     assert sum(b.num_rows for b in records.from_ipc(records.to_ipc(empty))) == 0

@@ -329,12 +329,14 @@ def test_available_now_waits_for_records_it_gave_back(kafka):
                                "subscribe": "given-back"}))
     verdict = {}  # batch -> what the agent reports its acknowledgement did
 
-    def ack(req):
+    def ack_result(req):  # the agent's answer once the broker confirmed the batch's acknowledgements
+        assert req["op"] == "ack_result"
         f = Future()
         f.set_result(({"slots": {"0": verdict[req["batch"]]}}, b""))
         return f
 
-    agent = SimpleNamespace(info={"agent_id": "a1"}, call_async=ack)
+    agent = SimpleNamespace(info={"agent_id": "a1"}, call=lambda req, timeout=None: ({"queued": 1}, b""),
+                            call_async=ack_result)
     t.agents["a1"] = agent
 
     def batch(n, rows=0, redelivered=0, **outcome):
@@ -463,6 +465,18 @@ def test_read_all_available_ignores_max_records_per_trigger_and_num_partitions_s
     assert q.awaitTermination(120)
     assert q.exception() is None
     assert sum(p["numInputRows"] for p in q.recentProgress) == 400
+
+
+def test_two_kafka_share_sources_in_one_query_fail_clearly(spark, kafka, tmp_path):
+    """Verdicts and commit signals find a query's tracker by the query id: a second kafka-share
+    source in the same query is refused with an error that says what to do instead."""
+    wa, wb = Workload(kafka, "ua", partitions=1), Workload(kafka, "ub", partitions=1)
+    wa.produce(10)
+    wb.produce(10)
+    both = read_stream(spark, kafka, uid("g"), "ua").unionByName(read_stream(spark, kafka, uid("g"), "ub"))
+    q = both.writeStream.format("noop").option("checkpointLocation", str(tmp_path / "ck")).start()
+    with pytest.raises(Exception, match="two kafka-share sources"):
+        q.awaitTermination(120)
 
 
 def test_headers_null_keys_and_large_values(spark, kafka, tmp_path):
