@@ -70,6 +70,7 @@ def produce(kafka, topic, n, partitions):
 
 
 OURS = ("agent", "runner", "python workers")
+BROKER = "this process (embedded broker, py4j)"
 
 
 class CpuSampler:
@@ -90,7 +91,7 @@ class CpuSampler:
     @staticmethod
     def ours(p):
         if p.pid == os.getpid():
-            return "this process (embedded broker, Spark's py4j driver)"
+            return BROKER
         cmd = " ".join(p.info["cmdline"] or [])
         if "org.apache.spark.deploy.SparkSubmit" in cmd:
             return "JVM (Spark driver and executor)"
@@ -172,20 +173,41 @@ def share_run(spark, kafka, topic, slots, n, tmp):
         first = None  # (time, cpu) when the first batch (query, agent and consumer start-up) is done
         while not q.awaitTermination(0.1):
             if first is None and q.lastProgress:
-                first = (time.perf_counter(), cpu.seconds)
+                first = (time.perf_counter(), cpu.seconds, cpu.by_kind)
         end = time.perf_counter()
         wall = end - t0
     prog = [p for p in q.recentProgress if p["numInputRows"]]
     rows = sum(p["numInputRows"] for p in prog)
     busy = sum(p["durationMs"]["triggerExecution"] for p in prog) / 1000.0
     after_first = rows - (prog[0]["numInputRows"] if prog else 0)
-    first = first or (t0, 0.0)
+    first = first or (t0, 0.0, {})
     phases = [dict(batch=p["batchId"], rows=p["numInputRows"], **{k: v for k, v in p["durationMs"].items()
                                                                     if k != "getBatch"}) for p in q.recentProgress]
     return {"seconds": wall, "busy_seconds": busy, "records": rows, "batches": len(prog), "cpu": cpu.seconds,
             "phases": phases,
             "cpu_by_process": cpu.by_kind, "steady_records": after_first,
-            "steady_seconds": end - first[0], "steady_cpu": cpu.seconds - first[1]}
+            "steady_seconds": end - first[0], "steady_cpu": cpu.seconds - first[1],
+            "steady_cpu_by_process": {k: round(v - first[2].get(k, 0.0), 2) for k, v in cpu.by_kind.items()}}
+
+
+def floor_run(spark, batches, tasks, rows, tmp):
+    """Spark's own cost for a Python streaming source that does no work (jobs/bench_floor.py)."""
+    with CpuSampler() as cpu:
+        t0 = time.perf_counter()
+        q = (spark.readStream.format("spark-share-floor").option("batches", batches).option("tasks", tasks)
+             .option("rows", rows).load().writeStream.format("noop")
+             .option("checkpointLocation", os.path.join(tmp, uuid.uuid4().hex)).trigger(availableNow=True).start())
+        first = None
+        while not q.awaitTermination(0.1):
+            if first is None and q.lastProgress:
+                first = (time.perf_counter(), cpu.seconds)
+        end = time.perf_counter()
+    records = sum(p["numInputRows"] for p in q.recentProgress)
+    first = first or (t0, 0.0)
+    steady = records - tasks * rows
+    return {"records": records, "rps": records / (end - t0), "steady_rps": steady / (end - first[0]),
+            "cpu_per_m": cpu.seconds / records * 1e6, "steady_cpu_per_m": (cpu.seconds - first[1]) / steady * 1e6,
+            "cpu_by_process": {k: round(v, 2) for k, v in cpu.by_kind.items()}}
 
 
 def decode_bench(n=300_000, repeats=3):
@@ -195,7 +217,7 @@ def decode_bench(n=300_000, repeats=3):
     from spark_share import records
 
     msgs = [Message(topic="orders", partition=i % 4, offset=i, key=str(i).encode(), value=b"x" * 100,
-                    timestamp=(1, 1_700_000_000_000 + i)) for i in range(n)]
+                    timestamp=(1, 1_700_000_000_000 + i), delivery_count=1) for i in range(n)]
 
     def naive(ms):  # per-message Python tuples, then columns
         rows = [(m.key(), m.value(), m.topic(), m.partition(), m.offset(), m.timestamp()[1] * 1000,
@@ -283,13 +305,14 @@ def pct(xs, p):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--records", type=int, default=100_000)
-    ap.add_argument("--partitions", type=int, default=8)
+    ap.add_argument("--records", type=int, default=200_000)
+    ap.add_argument("--partitions", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="bench-out")
     ap.add_argument("--max-record-locks", type=int, default=2000,
                     help="the broker's per-partition in-flight limit (Kafka's group.share.partition.max.record.locks)")
-    ap.add_argument("--skip", default="", help="comma-separated sections to skip: throughput,scaling,latency,idle,decode")
+    ap.add_argument("--skip", default="",
+                    help="comma-separated sections to skip: throughput,ceiling,scaling,latency,idle,decode")
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     os.makedirs(args.out, exist_ok=True)
@@ -308,6 +331,10 @@ def main(argv=None):
              .config("spark.ui.showConsoleProgress", "false").config("spark.sql.shuffle.partitions", "2").getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
     spark_share.register(spark)
+    spark.sparkContext.addPyFile(os.path.join(ROOT, "jobs", "bench_floor.py"))
+    from bench_floor import FloorSource
+
+    spark.dataSource.register(FloorSource)
     tmp = tempfile.mkdtemp(prefix="bench-")
     try:
         # Warm-up, not measured: Spark's first query pays JIT compilation and the start of its Python
@@ -316,6 +343,15 @@ def main(argv=None):
             kafka.create_topic("t", args.partitions)
             produce(kafka, "t", 20_000, args.partitions)
             share_run(spark, kafka, "t", 2, 20_000, tmp)
+        if "ceiling" not in skip:
+            # The broker's own ceiling: a raw loop with one consumer per partition.
+            with EmbeddedKafka() as kafka:
+                kafka.set_max_record_locks(args.max_record_locks)
+                kafka.create_topic("t", args.partitions)
+                produce(kafka, "t", args.records, args.partitions)
+                raw = raw_loop(kafka, "t", args.partitions, args.records)
+            results["ceiling"] = {"consumers": args.partitions, "records_per_s": raw["records"] / raw["seconds"]}
+            print("ceiling:", json.dumps(results["ceiling"]), flush=True)
         for section, slot_list in (("throughput", [2]), ("scaling", [1, 2, 4])):
             if section in skip:
                 continue
@@ -326,13 +362,20 @@ def main(argv=None):
                         kafka.set_max_record_locks(args.max_record_locks)
                         kafka.create_topic("t", args.partitions)
                         produce(kafka, "t", args.records, args.partitions)
-                        raw = raw_loop(kafka, "t", slots, args.records)
+                        with CpuSampler() as broker:
+                            raw = raw_loop(kafka, "t", slots, args.records)
                     with EmbeddedKafka() as kafka:
                         kafka.set_max_record_locks(args.max_record_locks)
                         kafka.create_topic("t", args.partitions)
                         produce(kafka, "t", args.records, args.partitions)
                         ours = share_run(spark, kafka, "t", slots, args.records, tmp)
+                    # Spark's floor with the same shape: as many batches and tasks, as many rows per task.
+                    full = [p for p in ours["phases"] if p["rows"]]
+                    floor = floor_run(spark, len(full), slots, max(1, args.records // max(1, len(full)) // slots), tmp)
                     row = {"slots": slots, "raw_rps": raw["records"] / raw["seconds"],
+                           "floor_rps": floor["rps"], "floor_steady_rps": floor["steady_rps"],
+                           "floor_cpu_per_m": floor["cpu_per_m"], "floor_steady_cpu_per_m": floor["steady_cpu_per_m"],
+                           "floor_cpu_by_process": floor["cpu_by_process"],
                            "share_rps": ours["records"] / ours["seconds"],
                            "share_busy_rps": ours["records"] / max(ours["busy_seconds"], 1e-9),
                            "raw_cpu_per_m": raw["cpu"] / raw["records"] * 1e6,
@@ -340,7 +383,11 @@ def main(argv=None):
                            "share_steady_rps": ours["steady_records"] / max(ours["steady_seconds"], 1e-9),
                            "share_steady_cpu_per_m": ours["steady_cpu"] / max(ours["steady_records"], 1) * 1e6,
                            "batches": ours["batches"], "records": ours["records"],
-                           "cpu_by_process": {k: round(v, 2) for k, v in ours["cpu_by_process"].items()}}
+                           "raw_broker_cpu_per_m": broker.by_kind.get(BROKER, 0) / raw["records"] * 1e6,
+                           "share_broker_cpu_per_m": ours["cpu_by_process"].get(BROKER, 0) / max(ours["records"], 1) * 1e6,
+                           "cpu_by_process": {k: round(v, 2) for k, v in ours["cpu_by_process"].items()},
+                           "steady_cpu_by_process": ours["steady_cpu_by_process"],
+                           "phases": ours["phases"]}
                     print(section, json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}),
                           flush=True)
                     rows.append(row)
@@ -362,6 +409,7 @@ def main(argv=None):
 def report(results, out):
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(results, f, indent=2)
+    after = []
     print("\n| measure | kafka-share | raw share consumer | ratio | target |")
     print("|---|---|---|---|---|")
     t = results.get("throughput")
@@ -378,6 +426,23 @@ def report(results, out):
         print(f"| CPU s per million records (whole run) | {sc:,.1f} | {rc:,.1f} | {sc / rc:.2f} | <= 1.5 |")
         ss = statistics.median(r["share_steady_cpu_per_m"] for r in t)
         print(f"| CPU s per million records (after the first batch) | {ss:,.1f} | {rc:,.1f} | {ss / rc:.2f} | <= 1.5 |")
+        fc = statistics.median(r["floor_steady_cpu_per_m"] for r in t)
+        print(f"| (context) Spark's floor: a Python source yielding prebuilt batches, same shape, CPU s per million "
+              f"records after the first batch | {fc:,.1f} | | | |")
+        fr = statistics.median(r["floor_steady_rps"] for r in t)
+        print(f"| (context) Spark's floor, records/s after the first batch | {fr:,.0f} | | | |")
+        sb = statistics.median(r["share_broker_cpu_per_m"] for r in t)
+        rb = statistics.median(r["raw_broker_cpu_per_m"] for r in t)
+        print(f"| (context) embedded broker process, CPU s per million records | {sb:,.1f} | {rb:,.1f} | {sb / rb:.2f} | |")
+        full = [p for r in t for p in r["phases"][1:] if p["rows"] >= 0.5 * max(q["rows"] for q in r["phases"])]
+        if full:
+            keys = [k for k in full[0] if k not in ("batch", "rows")]
+            after.append("full batches after the first, median ms: " + ", ".join(
+                f"{k} {statistics.median(p[k] for p in full):.0f}" for k in keys)
+                + f" (rows {statistics.median(p['rows'] for p in full):.0f})")
+    c = results.get("ceiling")
+    if c:
+        print(f"| embedded broker ceiling: raw loop, {c['consumers']} consumers, records/s | | {c['records_per_s']:,.0f} | | |")
     d = results.get("decode")
     if d:
         print(f"| decode rows/s, one core (vs naive lists) | {d['ours_rows_per_s']:,.0f} | {d['naive_rows_per_s']:,.0f} "
@@ -392,6 +457,8 @@ def report(results, out):
     for r in results.get("scaling", []):
         print(f"| scaling numPartitions={r['slots']}: records/s | {r['share_rps']:,.0f} | {r['raw_rps']:,.0f} | "
               f"{r['share_rps'] / r['raw_rps']:.2f} | |")
+    for line in after:
+        print("\n" + line)
     try:
         import matplotlib
         matplotlib.use("Agg")

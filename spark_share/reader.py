@@ -26,6 +26,9 @@ from .options import ShareSourceOptions
 log = logging.getLogger("spark_share.reader")
 
 OFFSET_VERSION = 1
+# Per Python worker: the connection to this host's agent of each query run, kept between tasks (a
+# worker runs one task at a time).
+_AGENTS: dict = {}
 READ_TIMEOUT_S = 600.0
 
 
@@ -145,16 +148,22 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         # Spark's batch id can run ahead of ours (no-data batches, other sources): verdicts and commit
         # signals name Spark's, so the tracker learns which of its batches it is.
         spark_batch = ctx.getLocalProperty("streaming.sql.batchId") if ctx else None
-        conn = agent.ensure_agent((partition.tracker_host, partition.tracker_port), partition.tracker_id,
-                                  partition.secret, self.opts)
+        request = {"op": "read", "batch": partition.batch, "slot": partition.slot, "max_records": partition.max_records,
+                   "poll_timeout_ms": partition.poll_timeout_ms, "query_id": query_id,
+                   "spark_batch": int(spark_batch) if spark_batch is not None else None}
+        timeout = READ_TIMEOUT_S + partition.poll_timeout_ms / 1000.0
+        conn = _AGENTS.get(partition.tracker_id)
+        if conn is None or conn.closed:
+            conn = _AGENTS[partition.tracker_id] = agent.ensure_agent(
+                (partition.tracker_host, partition.tracker_port), partition.tracker_id, partition.secret, self.opts)
         try:
-            _, blob = conn.call({"op": "read", "batch": partition.batch, "slot": partition.slot,
-                                 "max_records": partition.max_records,
-                                 "poll_timeout_ms": partition.poll_timeout_ms, "query_id": query_id,
-                                 "spark_batch": int(spark_batch) if spark_batch is not None else None},
-                                timeout=READ_TIMEOUT_S + partition.poll_timeout_ms / 1000.0)
-        finally:
+            _, blob = conn.call(request, timeout=timeout)
+        except ConnectionError:  # the agent of an earlier task went away; start or find the current one
+            _AGENTS.pop(partition.tracker_id, None)
             conn.close()
+            conn = _AGENTS[partition.tracker_id] = agent.ensure_agent(
+                (partition.tracker_host, partition.tracker_port), partition.tracker_id, partition.secret, self.opts)
+            _, blob = conn.call(request, timeout=timeout)
         yield from records.from_ipc(blob)
 
 

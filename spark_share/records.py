@@ -82,7 +82,7 @@ def _convert(msgs: Sequence, n: int, schema: pa.Schema, include_headers: bool) -
         _from_numpy(offsets, pa.int64()),
         _from_numpy(ts_ms * 1000, pa.timestamp("us", tz="UTC"), valid=~no_ts),
         _from_numpy(np.where(no_ts, -1, ts_type - 1).astype(np.int32), pa.int32()),  # Kafka's 0 / 1
-        _from_numpy(np.fromiter(map(m.delivery_count, msgs), np.int32, n), pa.int32()),
+        _delivery_counts(list(map(m.delivery_count, msgs))),
     ]
     if include_headers:
         cols.append(pa.array([[{"key": k, "value": v} for k, v in h] if h else [] for h in map(m.headers, msgs)],
@@ -99,6 +99,16 @@ def _from_numpy(values, type_: pa.DataType, valid=None) -> pa.Array:
     if valid is not None and not valid.all():
         bitmap = pa.py_buffer(np.packbits(valid, bitorder="little"))
     return pa.Array.from_buffers(type_, len(values), [bitmap, pa.py_buffer(np.ascontiguousarray(values))])
+
+
+def _delivery_counts(counts: List) -> pa.Array:
+    """Always set on records a share consumer fetched; null where a client left it out."""
+    import numpy as np
+
+    try:
+        return _from_numpy(np.array(counts, np.int32), pa.int32())
+    except TypeError:
+        return pa.array(counts, pa.int32())
 
 
 def _runs(topic_names: List[str], parts, offsets) -> Acquired:

@@ -34,6 +34,7 @@ log = logging.getLogger("spark_share.tracker")
 
 
 AVAILABLE_NOW_EMPTY_RETRIES = 5
+KEEP_FINISHED = 20  # acknowledged batches kept for status(); older ones are dropped (a stream runs for days)
 # Kafka's default group.share.record.lock.duration.ms. The client cannot read the group's value, so
 # the tracker assumes this until a lock expiry shows it is shorter.
 DEFAULT_LOCK_MS = 30_000
@@ -160,7 +161,7 @@ class MetadataWatcher:
             self.version += 1
 
     def _loop(self) -> None:
-        interval = max(0.2, 0.01 * len(self.partitions))
+        interval = max(0.25, 0.02 * len(self.partitions))  # one ListOffsets request per partition
         while not self._stop.wait(interval):
             if self._wanted():
                 self.refresh()
@@ -647,6 +648,9 @@ class Tracker:
                 cap = max(1, biggest // 2)
                 if self.lock_safe_records is None or cap < self.lock_safe_records:
                     self.lock_safe_records = cap
+            finished = sorted(n for n, x in self.batches.items() if x.state in ("acked", "released"))
+            for n in finished[:-KEEP_FINISHED]:
+                del self.batches[n]
             self._acked.notify_all()
         self._log_batch(b)
 

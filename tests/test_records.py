@@ -55,3 +55,8 @@ def test_ipc_round_trip_including_empty():
     assert records.from_ipc(records.to_ipc(rb))[0].equals(rb)
     empty, _ = records.to_record_batch([], False)
     assert sum(b.num_rows for b in records.from_ipc(records.to_ipc(empty))) == 0
+
+
+def test_a_missing_delivery_count_is_null():
+    rb, _ = records.to_record_batch([Msg("t", 0, 1, b"k", b"v", count=None), Msg("t", 0, 2, b"k", b"v")], False)
+    assert rb.column("deliveryCount").to_pylist() == [None, 1]
