@@ -10,7 +10,7 @@ acknowledged), or touch a consumer.
 from __future__ import annotations
 
 import gc
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import pyarrow as pa
 
@@ -45,7 +45,8 @@ def arrow_schema(include_headers: bool) -> pa.Schema:
 Acquired = Dict[str, Dict[int, List[List[int]]]]
 
 
-def to_record_batch(msgs: Sequence, include_headers: bool) -> Tuple[pa.RecordBatch, Acquired]:
+def to_record_batch(msgs: Sequence, include_headers: bool, topic: Optional[str] = None
+                    ) -> Tuple[pa.RecordBatch, Acquired]:
     """Convert one poll's messages (none carrying an error) to a RecordBatch, and list the offsets
     acquired. One pass of C-level accessor calls per field, then NumPy; no Python loop per message
     (headers aside)."""
@@ -59,17 +60,19 @@ def to_record_batch(msgs: Sequence, include_headers: bool) -> Tuple[pa.RecordBat
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _convert(msgs, n, schema, include_headers)
+        return _convert(msgs, n, schema, include_headers, topic)
     finally:
         if enabled:
             gc.enable()
 
 
-def _convert(msgs: Sequence, n: int, schema: pa.Schema, include_headers: bool) -> Tuple[pa.RecordBatch, Acquired]:
+def _convert(msgs: Sequence, n: int, schema: pa.Schema, include_headers: bool, topic: Optional[str]
+             ) -> Tuple[pa.RecordBatch, Acquired]:
     import numpy as np
 
     m = type(msgs[0])  # confluent_kafka.Message: its unbound methods map faster than a comprehension
-    topic_names = list(map(m.topic, msgs))
+    # A consumer of one topic gets only its records: no per-message topic() (a new str each time).
+    topic_names = [topic] if topic is not None else list(map(m.topic, msgs))
     parts = np.fromiter(map(m.partition, msgs), np.int32, n)
     offsets = np.fromiter(map(m.offset, msgs), np.int64, n)
     ts_type, ts_ms = (np.array(x, np.int64) for x in zip(*map(m.timestamp, msgs)))
@@ -77,7 +80,7 @@ def _convert(msgs: Sequence, n: int, schema: pa.Schema, include_headers: bool) -
     cols = [
         pa.array(list(map(m.key, msgs)), pa.binary()),
         pa.array(list(map(m.value, msgs)), pa.binary()),
-        pa.array(topic_names, pa.string()),
+        pa.repeat(pa.scalar(topic, pa.string()), n) if topic is not None else pa.array(topic_names, pa.string()),
         _from_numpy(parts, pa.int32()),
         _from_numpy(offsets, pa.int64()),
         _from_numpy(ts_ms * 1000, pa.timestamp("us", tz="UTC"), valid=~no_ts),
@@ -112,24 +115,37 @@ def _delivery_counts(counts: List) -> pa.Array:
 
 
 def _runs(topic_names: List[str], parts, offsets) -> Acquired:
-    """The acquired offsets per (topic, partition), as sorted [first, last] runs: compact and exact."""
+    """The acquired offsets per (topic, partition), as sorted [first, last] runs: compact and exact.
+
+    A fetch returns each partition's records in offset order, one stretch per partition: the runs
+    are cut in message order and only sorted when stretches interleave."""
     import numpy as np
 
     names = list(dict.fromkeys(topic_names))  # few: a poll's subscribed topics
-    if len(names) == 1:
+    if len(names) == 1:  # one topic (or the consumer's only one)
         codes = np.zeros(len(offsets), np.int64)
     else:
         index = {t: i for i, t in enumerate(names)}
         codes = np.fromiter(map(index.__getitem__, topic_names), np.int64, len(offsets))
     group = (codes << 32) | parts.astype(np.int64)
-    order = np.lexsort((offsets, group))
-    g, o = group[order], offsets[order]
-    breaks = np.flatnonzero((np.diff(g) != 0) | (np.diff(o) != 1)) + 1
+
+    def cuts(g, o):
+        return np.flatnonzero((np.diff(g) != 0) | (np.diff(o) != 1)) + 1
+
+    breaks = cuts(group, offsets)
+    if len(breaks) > 64 and len(breaks) > len(offsets) // 16:
+        order = np.lexsort((offsets, group))
+        group, offsets = group[order], offsets[order]
+        breaks = cuts(group, offsets)
     starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [len(o)])) - 1
+    ends = np.concatenate((breaks, [len(offsets)])) - 1
     out: Acquired = {}
-    for key, lo, hi in zip(g[starts].tolist(), o[starts].tolist(), o[ends].tolist()):
-        out.setdefault(names[key >> 32], {}).setdefault(key & 0xFFFFFFFF, []).append([lo, hi])
+    for key, lo, hi in sorted(zip(group[starts].tolist(), offsets[starts].tolist(), offsets[ends].tolist())):
+        runs = out.setdefault(names[key >> 32], {}).setdefault(key & 0xFFFFFFFF, [])
+        if runs and runs[-1][1] + 1 == lo:
+            runs[-1][1] = hi
+        else:
+            runs.append([lo, hi])
     return out
 
 

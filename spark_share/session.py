@@ -80,6 +80,7 @@ class ShareSession:
 
         self.session_id = session_id
         self.include_headers = include_headers
+        self._only_topic = topics[0] if len(topics) == 1 else None
         self.holding: Optional[Holding] = None
         self.polls = 0
         self.created_at = time.monotonic()
@@ -230,7 +231,7 @@ class ShareSession:
         excess = []
         if max_records is not None and len(good) > max_records:
             good, excess = good[:max_records], good[max_records:]
-        rb, acquired = records.to_record_batch(good, self.include_headers)
+        rb, acquired = records.to_record_batch(good, self.include_headers, self._only_topic)
         holding = Holding(batch, slot, acquired, rb.num_rows, time.time())
         if rb.num_rows:
             self.holding = holding

@@ -232,6 +232,7 @@ class Tracker:
         self._secrets = opts.secret_values()
         self._lock = threading.RLock()
         self._acked = threading.Condition(self._lock)  # a batch's acknowledgement finished
+        self._register_lock = threading.Lock()
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spark-share-acks")
         self.failure: Optional[str] = None  # why the query must stop (set once, raised by latestOffset)
         self.batches: Dict[int, BatchState] = {}
@@ -347,7 +348,9 @@ class Tracker:
         agent_id = self._agent_of(conn)
         qid = req.get("query_id")
         if qid and self.query_id is None:
-            self._register_query(qid)
+            with self._register_lock:  # the read tasks of the first batch claim at the same time
+                if self.query_id is None:
+                    self._register_query(qid)
         with self._lock:
             b = self.batches.get(batch)
             if b is None:  # a replayed batch planned by an earlier run; plan it now

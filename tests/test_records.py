@@ -60,3 +60,10 @@ def test_ipc_round_trip_including_empty():
 def test_a_missing_delivery_count_is_null():
     rb, _ = records.to_record_batch([Msg("t", 0, 1, b"k", b"v", count=None), Msg("t", 0, 2, b"k", b"v")], False)
     assert rb.column("deliveryCount").to_pylist() == [None, 1]
+
+
+def test_a_single_topic_consumer_gets_the_same_batch_without_asking_each_message():
+    msgs = [Msg("t", p, o, b"k", b"v") for p, o in ((0, 1), (0, 2), (1, 5))]
+    rb, acquired = records.to_record_batch(msgs, False)
+    rb1, acquired1 = records.to_record_batch(msgs, False, topic="t")
+    assert rb1.equals(rb) and acquired1 == acquired == {"t": {0: [[1, 2]], 1: [[5, 5]]}}
