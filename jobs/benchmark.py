@@ -320,6 +320,9 @@ def main(argv=None):
     skip = set(filter(None, args.skip.split(",")))
     os.makedirs(args.out, exist_ok=True)
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    # Spark's Python processes (planning workers, the source runner) must import jobs/bench_floor.py.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.abspath(__file__)),
+                                                              os.environ.get("PYTHONPATH")]))
     from pyspark.sql import SparkSession
 
     import spark_share
@@ -334,7 +337,6 @@ def main(argv=None):
              .config("spark.ui.showConsoleProgress", "false").config("spark.sql.shuffle.partitions", "2").getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
     spark_share.register(spark)
-    spark.sparkContext.addPyFile(os.path.join(ROOT, "jobs", "bench_floor.py"))
     from bench_floor import FloorSource
 
     spark.dataSource.register(FloorSource)

@@ -307,10 +307,13 @@ class RpcServer:
             return
         rpc = RpcConnection(conn, self._handler, on_close=self._closed, name=self.name, workers=8, scrub=self._scrub)
         with self._lock:
-            if self._stopped.is_set():  # admitted while closing: do not outlive the server
-                rpc.close()
-                return
-            self.connections.append(rpc)
+            closing = self._stopped.is_set()
+            if not closing:
+                self.connections.append(rpc)
+        if closing:
+            # Admitted while the server closes: it must not outlive it. Closed outside the lock, which
+            # its on_close (``_closed``) takes.
+            rpc.close()
 
     def _closed(self, rpc: RpcConnection) -> None:
         with self._lock:

@@ -102,3 +102,14 @@ def test_pending_calls_fail_when_peer_goes_away(server):
     assert c.wait_closed(5)
     with pytest.raises(ConnectionError):
         c.call({"op": "x"}, timeout=5)
+
+
+def test_a_peer_admitted_while_the_server_closes_is_closed_and_close_returns():
+    srv = wire.RpcServer(("127.0.0.1", 0), "k", lambda c, r, b: ({}, b""), name="closing")
+    srv._stopped.set()  # close() has begun; the accept loop is still waiting for one more peer
+    c = wire.connect(srv.address, "k")
+    assert c.wait_closed(5), "a peer admitted during close stayed connected"
+    closer = threading.Thread(target=srv.close)
+    closer.start()
+    closer.join(10)
+    assert not closer.is_alive(), "RpcServer.close() hung"
