@@ -2,7 +2,8 @@
 
 Owns: the share sessions of this host, the records each (batch, slot) acquired (cached as Arrow
 IPC until acknowledged, so every re-read of a batch sees the same rows), and the commands from
-the tracker (acknowledge a batch, release, hand a cached batch to another host, shut down).
+the tracker (start a planned batch's polls, queue a batch's acknowledgements and report what the
+broker answered, write dead letters, hand a cached batch to another host, shut down).
 Read tasks reach it over a Unix socket that only the owner can open, authenticated with the
 per-query secret; it reaches the tracker over TCP with the same secret.
 
@@ -10,7 +11,9 @@ Started by the first ``read()`` on a host (``ensure_agent``), detached from the 
 that Spark recycling or killing workers does not take acquired records with it.
 
 Must never: acknowledge anything the tracker did not ask for, poll a session that still holds
-records, outlive its tracker (when the tracker connection ends it releases everything and exits).
+records no acknowledgement has been queued for, receive Kafka credentials over a socket (they come
+from the read task that starts it, on a pipe), outlive its tracker (when the tracker connection
+ends it releases everything and exits).
 """
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ partitions, and ``read()``, which asks this host's agent for a (batch, slot) and
 
 Must never: hold a Kafka consumer in ``read()`` (Python workers come and go), create sockets,
 threads or clients before a driver-only method runs (the reader is pickled to executors), or
-return from ``latestOffset`` with a new batch while the previous one's acknowledgements are unsent.
+return from ``latestOffset`` with a new batch before the previous one's acknowledgements are queued
+on the consumers that hold its records.
 """
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 Owns: a confluent-kafka ``ShareConsumer`` and the records it has acquired but not yet
 acknowledged (at most one poll's worth, which the client requires). Work arrives as commands
 (poll, acknowledge, close) on a queue and runs in order on the session's own thread, so an
-acknowledgement queued before the next poll is always sent first.
+acknowledgement queued before the next poll is always sent first. librdkafka's statistics (group
+state, fetches sent) tell an empty poll when it can stop waiting.
 
 Must never: poll while it holds unacknowledged records, acknowledge a record it did not acquire,
 or be touched from another thread (the client is not thread-safe).

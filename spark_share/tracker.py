@@ -3,19 +3,24 @@
 Lives in the reader's runner process (``python_streaming_source_runner``), started lazily by
 the reader. Owns: the per-query secret, the TCP server agents and the user's process connect
 to, the claims of (batch, slot) by agents, each batch's acquired offsets, verdicts and
-acknowledgement outcomes, the high watermarks that tell whether a new batch is worth running,
-and the registry file through which the user's process (foreachBatch, the listener) finds it.
+acknowledgement outcomes, the high watermarks that tell an idle stream whether a new batch is
+worth running, which of its batches Spark runs under which batch id, and the registry file
+through which the user's process (foreachBatch, the listener) finds it. It queues a committed
+batch's acknowledgements on the agents (collecting the broker's answers in the background) and
+has the agents start a batch's polls when it plans it.
 
 Must never: acknowledge a batch before Spark has committed it (only ``batch_committed`` starts an
 ACCEPT, and it is called from ``latestOffset`` or the commit listener), talk to Kafka on the
-``latestOffset`` path (the metadata thread keeps watermarks in memory), or write a secret to
-a log, an offset or a progress report.
+``latestOffset`` path (the metadata thread keeps watermarks in memory), return from
+``latestOffset`` before the previous batch's acknowledgements are queued ahead of the next polls,
+send a client credential to an agent, or write a secret to a log, an offset or a progress report.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -34,6 +39,8 @@ log = logging.getLogger("spark_share.tracker")
 
 
 AVAILABLE_NOW_EMPTY_RETRIES = 5
+TWO_SOURCES = ("this query reads two kafka-share sources; spark-share supports one per query: run a query per "
+               "share group (or subscribe one source to several topics)")
 KEEP_FINISHED = 20  # acknowledged batches kept for status(); older ones are dropped (a stream runs for days)
 # Kafka's default group.share.record.lock.duration.ms. The client cannot read the group's value, so
 # the tracker assumes this until a lock expiry shows it is shorter.
@@ -199,6 +206,15 @@ def _log_to_file(path: str) -> logging.Handler:
     return h
 
 
+def _local_commit_log(root: str) -> Optional[str]:
+    """The commit log directory of a checkpoint this process can read, or None (a remote store)."""
+    if root.startswith("file:"):
+        root = "/" + root[len("file:"):].lstrip("/")
+    elif re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", root):
+        return None
+    return os.path.join(root, "commits")
+
+
 def _live_registry(path: str) -> Optional[dict]:
     """The registry entry at ``path`` if the tracker that wrote it still runs."""
     try:
@@ -235,6 +251,7 @@ class Tracker:
         self._register_lock = threading.Lock()
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spark-share-acks")
         self.failure: Optional[str] = None  # why the query must stop (set once, raised by latestOffset)
+        self.commit_log: Optional[str] = None  # the query's local commit log directory, once the listener said
         self.batches: Dict[int, BatchState] = {}
         self.agents: Dict[str, wire.RpcConnection] = {}
         self.query_id: Optional[str] = None
@@ -307,6 +324,12 @@ class Tracker:
             return self._acquired(conn, req), b""
         if op == "fetch":
             return self._relay(req)
+        if op == "checkpoint":
+            if self.commit_log is None:
+                self.commit_log = _local_commit_log(str(req["root"]))
+                log.info("spark-share tracker %s: commit log %s", self.tracker_id,
+                         self.commit_log or f"not readable here ({req['root']}): a stop releases uncommitted batches")
+            return {"ok": True}, b""
         if op == "committed":
             upto = self.source_batch_of(int(req["spark_batch"]))
             if upto is not None:
@@ -453,8 +476,7 @@ class Tracker:
         if other and other.get("tracker_id") != self.tracker_id:
             # The user's process finds a query's tracker by the query id alone: a second kafka-share
             # source in the same query would take the first one's verdicts and commit signals.
-            raise SourceError("this query reads two kafka-share sources; spark-share supports one per query: "
-                              "run a query per share group (or subscribe one source to several topics)")
+            raise SourceError(TWO_SOURCES)
         self.query_id = query_id
         fd = os.open(path + ".tmp", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -462,8 +484,7 @@ class Tracker:
                        "tracker_id": self.tracker_id, "pid": os.getpid()}, f)
         os.replace(path + ".tmp", path)
         if (_live_registry(path) or {}).get("tracker_id") != self.tracker_id:  # the other source won a race
-            raise SourceError("this query reads two kafka-share sources; spark-share supports one per query: "
-                              "run a query per share group (or subscribe one source to several topics)")
+            raise SourceError(TWO_SOURCES)
         self._registry_path = path
         log.info("spark-share tracker %s serves query %s", self.tracker_id, query_id)
 
@@ -720,9 +741,13 @@ class Tracker:
         return out
 
     # shutdown -----------------------------------------------------------------------------
+    def _in_commit_log(self, b: BatchState) -> bool:
+        return bool(self.commit_log and b.spark_batch is not None
+                    and os.path.exists(os.path.join(self.commit_log, str(b.spark_batch))))
+
     def shutdown(self) -> None:
-        """RELEASE every batch not known to be committed (committed ones are being acknowledged),
-        wait for the broker's answers, stop agents, close."""
+        """ACCEPT the batches in Spark's commit log that nobody told us of yet, RELEASE every other
+        held batch, wait for the broker's answers, stop agents, close."""
         if self._closed:
             return
         with self._lock:
@@ -730,7 +755,11 @@ class Tracker:
             for b in pending:
                 b.state = "acking"
         for b in pending:
-            self._acknowledge(b, RELEASE)
+            if self._in_commit_log(b):
+                b.committed_at = time.time()
+                self._acknowledge(b, ACCEPT)
+            else:
+                self._acknowledge(b, RELEASE)
         if self.batches:
             self._wait_acked(max(self.batches))
         self._finisher.shutdown(wait=True)

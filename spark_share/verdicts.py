@@ -131,6 +131,14 @@ def status(query) -> dict:
 _installed = set()
 
 
+def _checkpoint_root(spark, query_id: str) -> Optional[str]:
+    """The query's resolved checkpoint location, from the JVM (None when it cannot be read)."""
+    try:
+        return str(spark.streams.get(query_id)._jsq.streamingQuery().resolvedCheckpointRoot())
+    except Exception:
+        return None
+
+
 def install_listener(spark) -> None:
     from pyspark.sql.streaming import StreamingQueryListener
 
@@ -144,8 +152,15 @@ def install_listener(spark) -> None:
             p = event.progress
             try:
                 conn = tracker_for(str(p.id))
-                if conn is not None:
-                    conn.call_async({"op": "committed", "spark_batch": int(p.batchId)})
+                if conn is None:
+                    return
+                if conn.info.get("checkpoint") is None:
+                    # Where the commit log is: at a stop, the tracker accepts a batch Spark committed
+                    # before this signal reached it, instead of releasing it.
+                    conn.info["checkpoint"] = _checkpoint_root(spark, str(p.id)) or ""
+                    if conn.info["checkpoint"]:
+                        conn.call_async({"op": "checkpoint", "root": conn.info["checkpoint"]})
+                conn.call_async({"op": "committed", "spark_batch": int(p.batchId)})
             except Exception:  # a listener must never break the query
                 log.debug("commit signal failed", exc_info=True)
 

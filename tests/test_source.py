@@ -272,6 +272,9 @@ def test_idle_is_cheap_and_latest_offset_answers_from_memory(spark, kafka, tmp_p
         # Invariant 2: acknowledged promptly once committed (the default trigger).
         wait_until(lambda: spark_share.status(q)["accepted"] == 50, timeout=30, message="records not acknowledged")
         acked = [b for b in spark_share.status(q)["batches"] if b["acquired"]]
+        # The commit listener told the tracker where the commit log is (a stop reads it).
+        wait_until(lambda: f"commit log {os.path.join(ck, 'commits')}" in tracker_log(q), timeout=10,
+                   message="the tracker never learnt where the commit log is")
     finally:
         q.stop()
     for b in acked:
@@ -361,6 +364,48 @@ def test_available_now_waits_for_records_it_gave_back(kafka):
     finally:
         t.agents.clear()
         t.shutdown()
+
+
+def test_stop_accepts_a_committed_batch_it_was_not_told_of(kafka, tmp_path):
+    """q.stop() can come after Spark wrote a batch to the commit log and before the commit listener
+    told the tracker: the tracker finds the batch in the commit log and ACCEPTs it; a batch that is
+    not there is RELEASEd."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from spark_share.options import parse_options
+    from spark_share.session import ACCEPT, RELEASE
+    from spark_share.tracker import Tracker
+
+    kafka.create_topic("stopping", 1)
+    t = Tracker(parse_options({"kafka.bootstrap.servers": kafka.bootstrap_servers, "kafka.group.id": "g",
+                               "subscribe": "stopping"}))
+    sent = {}
+
+    def call(req, timeout=None):
+        if req["op"] == "ack":
+            sent[req["batch"]] = req["default"]
+        return {"queued": 1}, b""
+
+    def ack_result(req):
+        f = Future()
+        f.set_result(({"slots": {}}, b""))
+        return f
+
+    agent = SimpleNamespace(info={"agent_id": "a1"}, call=call, call_async=ack_result,
+                            wait_closed=lambda timeout=None: True)
+    t.agents["a1"] = agent
+    (tmp_path / "commits").mkdir()
+    (tmp_path / "commits" / "4").write_text("v1\n{}")  # Spark committed its batch 4
+    try:
+        t._handle(agent, {"op": "checkpoint", "root": f"file:{tmp_path}"}, b"")
+        for n, spark_batch in ((0, 4), (1, 5)):
+            t.plan(n, None)
+            t.batches[n].spark_batch = spark_batch
+            t._acquired(agent, {"batch": n, "slot": 0, "rows": 3, "offsets": {"stopping": {"0": [[3 * n, 3 * n + 2]]}}})
+    finally:
+        t.shutdown()
+    assert sent == {0: ACCEPT, 1: RELEASE}
 
 
 def test_sockets_refuse_peers_without_the_secret(spark, kafka, tmp_path):
