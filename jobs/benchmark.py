@@ -161,7 +161,6 @@ def raw_loop(kafka, topic, consumers, n):
 
 
 def share_run(spark, kafka, topic, slots, n, tmp):
-    import spark_share
 
     df = (spark.readStream.format("kafka-share").option("kafka.bootstrap.servers", kafka.bootstrap_servers)
           .option("kafka.group.id", f"share-{uuid.uuid4().hex[:6]}").option("subscribe", topic)

@@ -16,7 +16,7 @@ import ctypes
 import glob
 import os
 import threading
-from typing import Dict, Iterable, Optional, Sequence, Tuple
+from typing import Iterable, Optional, Sequence, Tuple
 
 REQUIRED_CONFLUENT_KAFKA = "2.16.1"
 

@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import threading
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from . import wire
 from .agent import runtime_dir

@@ -1,4 +1,3 @@
-import pyarrow as pa
 
 from spark_share import records
 

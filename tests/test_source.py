@@ -12,7 +12,6 @@ import time
 import uuid
 
 import psutil
-import pyarrow as pa
 import pytest
 from pyspark.sql import functions as F
 
@@ -203,7 +202,6 @@ def test_stop_mid_batch_releases_at_once_and_leaves_nothing_running(spark, kafka
     w = Workload(kafka, "jobs", partitions=2)
     w.produce(200)
     group, ck, out = uid("g"), str(tmp_path / "ck"), str(tmp_path / "out")
-    started = threading.Event()
 
     @F.udf("long")
     def slow(offset):

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 import uuid
@@ -15,8 +14,7 @@ from pyspark.sql import Row, functions as F
 
 import spark_share
 from spark_share.verdicts import VerdictError
-from support import (BatchCollector, Workload, agent_processes, batch_agents, check_no_loss, drain_share_group, ids_of,
-                     read_stream, registry, wait_until)
+from support import (BatchCollector, Workload, batch_agents, check_no_loss, drain_share_group, read_stream, registry, wait_until)
 
 
 @pytest.fixture(autouse=True)

@@ -94,7 +94,6 @@ def test_unix_socket_is_owner_only(tmp_path):
 
 def test_pending_calls_fail_when_peer_goes_away(server):
     srv, _ = server
-    gate = threading.Event()
     c = wire.connect(srv.address, "s3cret-value")
     fut = c.call_async({"op": "x"})
     fut.result(5)
