@@ -15,7 +15,7 @@ from typing import Dict, Iterable, List, Optional
 import psutil
 from confluent_kafka import AcknowledgeType, Producer, ShareConsumer
 
-from helpers import wait_until  # noqa: F401  (re-exported for the source tests)
+from helpers import wait_until  # also re-exported for the source tests
 
 
 class Workload:
@@ -204,15 +204,26 @@ def tracker_log(q) -> str:
     raise AssertionError(f"no tracker log names query {q.id}")
 
 
-def kill(procs: Iterable[psutil.Process]) -> int:
-    n = 0
+def kill(procs: Iterable[psutil.Process], timeout: float = 15.0) -> int:
+    """SIGKILL ``procs`` and return once they are dead: Spark hands a pooled worker to the next task
+    if its process still looks alive, so a caller that runs a job right after killing must not race
+    the kernel tearing the process down."""
+    sent = []
     for p in procs:
         try:
             os.kill(p.pid, signal.SIGKILL)
-            n += 1
+            sent.append(p)
         except ProcessLookupError:
             pass
-    return n
+
+    def dead(p: psutil.Process) -> bool:
+        try:
+            return p.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    wait_until(lambda: all(dead(p) for p in sent), timeout, message=f"killed processes {[p.pid for p in sent]} to exit")
+    return len(sent)
 
 
 def registry(query_id: str) -> Optional[dict]:
