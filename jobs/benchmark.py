@@ -57,15 +57,12 @@ print(json.dumps({"seconds": dt, "records": sum(got),
 def produce(kafka, topic, n, partitions):
     from confluent_kafka import Producer
 
+    from spark_share.job import produce_waiting
+
     p = Producer({"bootstrap.servers": kafka.bootstrap_servers, "linger.ms": 5, "batch.num.messages": 10000})
     payload = b"x" * 100
     for i in range(n):
-        while True:
-            try:
-                p.produce(topic, key=str(i).encode(), value=payload, partition=i % partitions)
-                break
-            except BufferError:
-                p.poll(0.05)
+        produce_waiting(p, topic, key=str(i).encode(), value=payload, partition=i % partitions)
     p.flush(60)
 
 

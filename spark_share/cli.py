@@ -105,6 +105,8 @@ def order_record(i: int, rnd: random.Random) -> bytes:
 def _produce(args: argparse.Namespace) -> int:
     from confluent_kafka import Producer
 
+    from .job import produce_waiting
+
     if args.bootstrap_servers.startswith("bootstrap.servers="):
         args.bootstrap_servers = args.bootstrap_servers.split("=", 1)[1]
     errors: List[str] = []
@@ -127,13 +129,7 @@ def _produce(args: argparse.Namespace) -> int:
             bad += 1
         else:
             value = order_record(i, rnd)
-        while True:
-            try:
-                p.produce(args.topic, key=str(i).encode(), value=value, on_delivery=on_delivery)
-                break
-            except BufferError:
-                p.poll(0.1)
-        p.poll(0)
+        produce_waiting(p, args.topic, key=str(i).encode(), value=value, on_delivery=on_delivery)
     left = p.flush(60)
     took = time.monotonic() - t0
     ok = args.count - left - len(errors)

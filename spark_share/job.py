@@ -443,6 +443,17 @@ def print_summary(spark, cfg: JobConfig, s: Summary, produced: Optional[int] = N
 
 
 # --- the embedded broker and the synthetic workload -------------------------------------------------
+def produce_waiting(producer, topic: str, **record) -> None:
+    """``producer.produce`` that waits for room when the local queue is full instead of failing."""
+    while True:
+        try:
+            producer.produce(topic, **record)
+            break
+        except BufferError:
+            producer.poll(0.1)
+    producer.poll(0)
+
+
 def synthetic_orders(bootstrap: str, topic: str, n: int, partitions: int, seed: int = 7) -> Dict[str, int]:
     """Orders as JSON: ~2 % malformed, ~1 % missing the amount, ~2 % 'pending' (released once),
     ~5 % without a status (release_if is NULL for them: written), the rest 'ok'."""
@@ -466,13 +477,7 @@ def synthetic_orders(bootstrap: str, topic: str, n: int, partitions: int, seed: 
             value = json.dumps({"order_id": i, "customer": f"c{rnd.randrange(500)}",
                                 "amount": round(rnd.uniform(1, 900), 2), "status": kind}).encode()
         kinds[kind] += 1
-        while True:
-            try:
-                p.produce(topic, key=str(i).encode(), value=value, partition=i % partitions)
-                break
-            except BufferError:
-                p.poll(0.1)
-        p.poll(0)
+        produce_waiting(p, topic, key=str(i).encode(), value=value, partition=i % partitions)
     left = p.flush(60)
     if left:
         raise RuntimeError(f"{left} synthetic orders were not delivered to {topic}")
