@@ -107,6 +107,10 @@ class BatchCollector:
         with self.lock:
             return ids_of(self.rows)
 
+    def has_all(self, ids: Iterable[int]) -> bool:
+        """Whether every one of ``ids`` reached the sink; a row count cannot say so once duplicates are allowed."""
+        return set(ids) <= set(self.ids)
+
 
 def drain_share_group(bootstrap: str, group: str, topics: List[str], timeout: float,
                       ack=AcknowledgeType.ACCEPT, until: Optional[int] = None) -> List:

@@ -11,6 +11,7 @@ import re
 import threading
 import time
 import uuid
+from collections import Counter
 
 import psutil
 import pytest
@@ -18,8 +19,8 @@ import pytest
 import spark_share
 from spark_share.agent import runtime_dir
 from spark_share.embedded import EmbeddedKafka
-from support import (BatchCollector, Workload, agent_processes, batch_agents, check_no_loss, kill, python_workers,
-                     read_stream, registry, runner_processes, tracker_log, wait_until)
+from support import (BatchCollector, Workload, agent_processes, batch_agents, check_no_loss, ids_of, kill,
+                     python_workers, read_stream, registry, runner_processes, tracker_log, wait_until)
 
 pytestmark = pytest.mark.slow
 
@@ -118,7 +119,8 @@ def test_row5_agent_killed_while_holding_records(spark, kafka, tmp_path):
     q = (read_stream(spark, kafka, gid(), "r5", idleProbeIntervalMs=1000).writeStream.foreachBatch(collector)
          .option("checkpointLocation", str(tmp_path / "ck")).start())
     try:
-        wait_until(lambda: 0 in collector.batches and len(collector.rows) >= 2 * len(collector.batches[0]),
+        wait_until(lambda: collector.has_all(w.ids) and 0 in collector.batches
+                   and Counter(collector.ids) >= Counter(2 * ids_of(collector.batches[0])),
                    timeout=60, message="batch 0's records did not all come back after the agent died")
         first = len(collector.batches[0])
         wait_until(lambda: spark_share.status(q)["failed"] == first, timeout=30, message="loss not counted")
@@ -271,7 +273,7 @@ def test_row12_one_query_fails_the_other_is_unaffected(spark, kafka, tmp_path):
         with pytest.raises(Exception, match="query A fails"):
             qa.awaitTermination(120)
         wb.produce(100)
-        wait_until(lambda: len(ca.rows) >= 200, timeout=60, message="query B stalled after A failed")
+        wait_until(lambda: ca.has_all(wb.ids), timeout=60, message="query B stalled after A failed")
         assert qb.isActive
         wait_until(lambda: spark_share.status(qb)["inflightRecords"] == 0, timeout=30, message="B's acks missing")
     finally:
