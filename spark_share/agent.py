@@ -349,8 +349,7 @@ class Agent:
         releasing the excess, and every release counts as a delivery."""
         with self._resize_lock:
             with self._lock:
-                free = [s for s in self._sessions if s not in self._reserved and not s.busy
-                        and s not in self._prefetched]
+                free = self._free_sessions()
                 if max_records is not None and any(s.max_poll_records > max_records for s in free):
                     for s in free:
                         self._sessions.remove(s)
@@ -364,8 +363,7 @@ class Agent:
                 self._start_sessions(len(stale), max_records)
                 log.info("agent %s: batch size lowered: polls now take at most %d records", self.agent_id, max_records)
             with self._lock:
-                fits = [s for s in self._sessions if s not in self._reserved and (
-                    s in self._prefetched or (not s.busy and (max_records is None or s.max_poll_records <= max_records)))]
+                fits = [s for s in self._prefetched if s not in self._reserved] + self._free_sessions(max_records)
                 if fits:
                     s = min(fits, key=lambda s: (s not in self._prefetched, self._poll_order(s, batch)))
                     self._reserve(s, batch)
@@ -383,13 +381,17 @@ class Agent:
         way. A poll no read of this batch claims is claimed by the next one (its records stay
         held until then, and are released if the query stops)."""
         with self._lock:
-            free = [s for s in self._sessions if s not in self._reserved and not s.busy and s not in self._prefetched
-                    and (max_records is None or s.max_poll_records <= max_records)]
-            chosen = sorted(free, key=lambda s: self._poll_order(s, batch))[:count]
+            chosen = sorted(self._free_sessions(max_records), key=lambda s: self._poll_order(s, batch))[:count]
             for s in chosen:
                 self._prefetched[s] = s.poll(batch, -1, max_records, self._budget(s, poll_timeout_ms))
                 self._last_taken[s.session_id] = (batch, time.monotonic())
         return {"polling": len(chosen)}
+
+    def _free_sessions(self, max_records: Optional[int] = None) -> List:
+        """Sessions no read holds, with no poll started ahead and nothing awaiting an acknowledgement
+        (polls no bigger than ``max_records``, if given). Call with ``_lock`` held."""
+        return [s for s in self._sessions if s not in self._reserved and not s.busy and s not in self._prefetched
+                and (max_records is None or s.max_poll_records <= max_records)]
 
     def _poll_order(self, session, batch: int) -> Tuple[bool, float]:
         last_batch, when = self._last_taken.get(session.session_id, (-1, 0.0))

@@ -142,7 +142,7 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def read(self, partition: SharePartition) -> Iterator:
         from pyspark import TaskContext
 
-        from . import agent, records
+        from . import records
 
         ctx = TaskContext.get()
         query_id = ctx.getLocalProperty("sql.streaming.queryId") if ctx else None
@@ -155,17 +155,21 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         timeout = READ_TIMEOUT_S + partition.poll_timeout_ms / 1000.0
         conn = _AGENTS.get(partition.tracker_id)
         if conn is None or conn.closed:
-            conn = _AGENTS[partition.tracker_id] = agent.ensure_agent(
-                (partition.tracker_host, partition.tracker_port), partition.tracker_id, partition.secret, self.opts)
+            conn = self._connect_agent(partition)
         try:
             _, blob = conn.call(request, timeout=timeout)
         except ConnectionError:  # the agent of an earlier task went away; start or find the current one
-            _AGENTS.pop(partition.tracker_id, None)
             conn.close()
-            conn = _AGENTS[partition.tracker_id] = agent.ensure_agent(
-                (partition.tracker_host, partition.tracker_port), partition.tracker_id, partition.secret, self.opts)
-            _, blob = conn.call(request, timeout=timeout)
+            _, blob = self._connect_agent(partition).call(request, timeout=timeout)
         yield from records.from_ipc(blob)
+
+    def _connect_agent(self, partition: SharePartition):
+        """Find or start this host's agent; the connection is kept for this worker's next tasks."""
+        from . import agent
+
+        conn = _AGENTS[partition.tracker_id] = agent.ensure_agent(
+            (partition.tracker_host, partition.tracker_port), partition.tracker_id, partition.secret, self.opts)
+        return conn
 
 
 def _raise_system_exit(signum, frame):
