@@ -59,6 +59,11 @@ def agent_socket_path(tracker_id: str) -> str:
     return os.path.join(runtime_dir(), f"agent-{tracker_id}.sock")
 
 
+def checkpoint_note_path(query_id: str) -> str:
+    """Where the user's process notes a query's checkpoint location (written when the query starts)."""
+    return os.path.join(runtime_dir(), f"checkpoint-{query_id}.json")
+
+
 # ---------------------------------------------------------------------------------------------
 # Read-task side: find or start this host's agent.
 
@@ -264,6 +269,9 @@ class Agent:
         try:
             claim, _ = self.tracker.call({"op": "claim", "batch": batch, "slot": slot, "query_id": query_id,
                                           "spark_batch": spark_batch}, timeout=60)
+            if claim["owner"] is None:  # acquired by an agent that is gone: no new records under this id
+                return {"rows": 0, "cached": False, "lost": True}, records.to_ipc(
+                    records.empty_batch(self.config["include_headers"]))
             if claim["owner"] != self.agent_id:
                 # Another host acquired this (batch, slot): relay its cached rows through the tracker.
                 rep, ipc = self.tracker.call({"op": "fetch", "batch": batch, "slot": slot}, timeout=120)

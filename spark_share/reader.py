@@ -79,17 +79,21 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def __init__(self, opts: ShareSourceOptions):
         self.opts = opts
         self._tracker = None
+        self._stopped = False
 
     # driver side (the runner process) ------------------------------------------------------
     def _t(self):
         if self._tracker is None:
+            if self._stopped:
+                raise RuntimeError("the kafka-share source is stopping")
             from .tracker import Tracker
 
             _configure_logging()
-            self._tracker = Tracker(self.opts)
             if threading.current_thread() is threading.main_thread() and _in_source_runner():
-                # The JVM ends the runner with SIGTERM on stop and failure; turn that into stop().
-                signal.signal(signal.SIGTERM, _raise_system_exit)
+                # The JVM ends the runner with SIGTERM on stop and failure: stop() then runs on a thread
+                # of its own, and the process exits when it is done.
+                _StopOnSigterm(self)
+            self._tracker = Tracker(self.opts)
         return self._tracker
 
     def initialOffset(self) -> dict:
@@ -110,9 +114,8 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         # Its acknowledgements are queued on the consumers before this returns; the broker's answers
         # are collected while Spark writes the next offsets and plans.
         t.batch_committed(last, wait=False)
-        if not t.should_run(last):
+        if not t.should_run(last) or t.plan(last + 1, limit.max_rows if isinstance(limit, ReadMaxRows) else None) is None:
             return start
-        t.plan(last + 1, limit.max_rows if isinstance(limit, ReadMaxRows) else None)
         return _offset(last + 1)
 
     def reportLatestOffset(self):
@@ -123,7 +126,9 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         first, last = _batch_of(start), _batch_of(end)
         if last <= first:
             return []
-        b = t.batches.get(last) or t.plan(last, self.opts.max_records_per_trigger)
+        b = t.batch_to_read(last)
+        if b is None:  # replayed from an earlier run, or stopping: it reads nothing
+            return []
         host, port = t.address
         return [SharePartition(host, port, t.tracker_id, t.secret, last, slot, budget, self.opts.poll_timeout_ms)
                 for slot, budget in enumerate(t.slot_budgets(b))]
@@ -134,9 +139,9 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             self._tracker.batch_committed(_batch_of(end))
 
     def stop(self) -> None:
+        self._stopped = True
         if self._tracker is not None:
-            t, self._tracker = self._tracker, None
-            t.shutdown()
+            self._tracker.shutdown()  # a second caller waits for the first
 
     # executor side ---------------------------------------------------------------------------
     def read(self, partition: SharePartition) -> Iterator:
@@ -172,10 +177,34 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return conn
 
 
-def _raise_system_exit(signum, frame):
-    # Later SIGTERMs must not interrupt stop() while it releases records.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise SystemExit(128 + signum)
+class _StopOnSigterm:
+    """SIGTERM (q.stop(), a query failure, a restart) wakes one thread that runs the reader's stop()
+    and then ends the process: the main thread is never interrupted in the middle of a call (an
+    exception raised wherever it happened to be left batches half acknowledged and stop() waiting
+    for them). The kernel may deliver the signal to any thread while the main one blocks on the
+    JVM's socket, so the wake-up is the byte the C-level handler writes to ``set_wakeup_fd``, not
+    the Python-level handler (which runs only once the main thread comes back to Python)."""
+
+    def __init__(self, reader: "ShareStreamReader"):
+        self._reader = reader
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)  # replaces the default: terminate
+        signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+        threading.Thread(target=self._run, args=(wake_r,), name="spark-share-stop", daemon=True).start()
+
+    def _run(self, wake_r: int) -> None:
+        while signal.SIGTERM not in os.read(wake_r, 64):  # other signals with Python handlers write here too
+            pass
+        code = 128 + signal.SIGTERM
+        try:
+            self._reader.stop()
+        except BaseException:
+            log.exception("spark-share: stopping after SIGTERM failed")
+            code = 1
+        finally:
+            logging.shutdown()
+            os._exit(code)
 
 
 def _in_source_runner() -> bool:

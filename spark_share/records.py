@@ -41,6 +41,10 @@ def arrow_schema(include_headers: bool) -> pa.Schema:
     return ARROW_SCHEMA_HEADERS if include_headers else ARROW_SCHEMA
 
 
+def empty_batch(include_headers: bool) -> pa.RecordBatch:
+    return pa.RecordBatch.from_pylist([], schema=arrow_schema(include_headers))
+
+
 # Offsets acquired by one poll, as sorted runs: {topic: {partition: [[first, last], ...]}}.
 Acquired = Dict[str, Dict[int, List[List[int]]]]
 
@@ -53,7 +57,7 @@ def to_record_batch(msgs: Sequence, include_headers: bool, topic: Optional[str] 
     n = len(msgs)
     schema = arrow_schema(include_headers)
     if not n:
-        return pa.RecordBatch.from_pylist([], schema=schema), {}
+        return empty_batch(include_headers), {}
     # The accessors allocate a tuple or two per message and free them at once: the cyclic
     # collector, triggered every few hundred allocations, would otherwise scan the poll's tens of
     # thousands of messages again and again (it tripled the time).

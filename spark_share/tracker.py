@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from . import wire
-from .agent import runtime_dir
+from .agent import checkpoint_note_path, runtime_dir
 from .options import ShareSourceOptions, scrub
 from .session import ACCEPT, RELEASE, REJECT, AckOutcome
 
@@ -46,10 +46,16 @@ KEEP_FINISHED = 20  # acknowledged batches kept for status(); older ones are dro
 # the tracker assumes this until a lock expiry shows it is shorter.
 DEFAULT_LOCK_MS = 30_000
 LOCK_WARN_FRACTION = 0.8
+AGENT_LOST = "AGENT_LOST"  # the error a lost agent's records are counted under
+SHUTDOWN_WAIT_S = 10.0  # a stop waits this long at most for acknowledgements under way, then for agents
 
 
 class SourceError(RuntimeError):
     """A problem with the source's setup that the user must fix (topic, broker, options)."""
+
+
+class BatchRefused(RuntimeError):
+    """A read of a batch that cannot be served with its original rows, so it acquires nothing."""
 
 
 @dataclass
@@ -62,7 +68,8 @@ class BatchState:
     acquired: Dict[int, dict] = field(default_factory=dict)      # slot -> {session, rows, offsets, acquired_at}
     verdicts: Dict[Tuple[str, int, int], Tuple[int, Optional[str]]] = field(default_factory=dict)
     spark_batch: Optional[int] = None                            # Spark's batch id, learnt from the read tasks
-    # planned -> acking (being sent) -> queued (on the consumers, ahead of their next poll) -> acked | released
+    # planned -> acking (being sent) -> queued (on the consumers, ahead of their next poll) -> acked | released;
+    # void: a batch this run did not plan (Spark replays an earlier run's batch): it reads nothing.
     state: str = "planned"
     committed_at: Optional[float] = None
     acked_at: Optional[float] = None
@@ -82,12 +89,13 @@ class BatchState:
                     out[k] = min(runs[0][0], out.get(k, runs[0][0]))
         return out
 
-    def holds(self, topic: str, partition: int, offset: int) -> bool:
+    def holder(self, topic: str, partition: int, offset: int) -> Optional[str]:
+        """The agent that acquired this record in this batch, or None."""
         for a in self.acquired.values():
             for lo, hi in a.get("offsets", {}).get(topic, {}).get(str(partition), ()):
                 if lo <= offset <= hi:
-                    return True
-        return False
+                    return a["agent"]
+        return None
 
     def held_ms(self) -> Optional[float]:
         """How long the batch held its records: from the first poll's return to its acknowledgement
@@ -293,7 +301,11 @@ class Tracker:
         self.lock_safe_records: Optional[int] = None
         self.lock_ms = float(DEFAULT_LOCK_MS)  # the record lock duration, as far as the tracker knows
         self.total_acquired = 0
-        self._closed = False
+        # Spark has committed every batch up to here (it said so through latestOffset, commit or the
+        # listener): the one fact that lets a batch be ACCEPTed, recorded before anything acts on it.
+        self.committed_upto = -1
+        self.stopping = False  # set once by shutdown: nothing new is planned, claimed or acknowledged
+        self._stopped = threading.Event()
         log.info("spark-share tracker %s for group %r, topics %s (%d partitions), %d slots, listening on %s:%d",
                  self.tracker_id, opts.group_id, list(opts.topics), len(self.metadata.partitions),
                  self.num_slots, *self.address)
@@ -324,12 +336,6 @@ class Tracker:
             return self._acquired(conn, req), b""
         if op == "fetch":
             return self._relay(req)
-        if op == "checkpoint":
-            if self.commit_log is None:
-                self.commit_log = _local_commit_log(str(req["root"]))
-                log.info("spark-share tracker %s: commit log %s", self.tracker_id,
-                         self.commit_log or f"not readable here ({req['root']}): a stop releases uncommitted batches")
-            return {"ok": True}, b""
         if op == "committed":
             upto = self.source_batch_of(int(req["spark_batch"]))
             if upto is not None:
@@ -367,6 +373,10 @@ class Tracker:
         return self.num_slots if limit is None else max(1, min(self.num_slots, limit))
 
     def _claim(self, conn: wire.RpcConnection, req: dict) -> dict:
+        """Which agent reads (batch, slot): the one that acquired it (every re-read gets the same rows),
+        else the asking one, which polls. ``owner`` None: the slot's records were acquired by an agent
+        that is gone; its rows may already be in a sink, so the slot reads nothing rather than new
+        records under the same batch id (the lost ones are released by the broker and come back)."""
         batch, slot = int(req["batch"]), int(req["slot"])
         agent_id = self._agent_of(conn)
         qid = req.get("query_id")
@@ -376,21 +386,35 @@ class Tracker:
                     self._register_query(qid)
         with self._lock:
             b = self.batches.get(batch)
-            if b is None:  # a replayed batch planned by an earlier run; plan it now
-                limit = self.opts.max_records_per_trigger
-                b = self.batches[batch] = BatchState(batch, self.slots_for(limit), limit)
-            if b.state != "planned":
-                raise RuntimeError(f"batch {batch} is already {b.state}; it cannot be read again")
+            if self.stopping or b is None or b.state != "planned":
+                raise BatchRefused(self._refusal(batch, b))
             if req.get("spark_batch") is not None:
                 b.spark_batch = int(req["spark_batch"])
             owner = b.claims.get(slot)
-            if owner is None or owner not in self.agents:
-                if owner is not None:
-                    log.warning("batch %d slot %d: agent %s is gone; %s polls it again (the records it held "
-                                "are released by the broker)", batch, slot, owner, agent_id)
-                    b.acquired.pop(slot, None)
+            if owner is not None and owner not in self.agents:
+                if slot in b.acquired:
+                    log.warning("batch %d slot %d: agent %s that acquired it is gone; this read gets no rows (its "
+                                "records are released by the broker and come back in a later batch)",
+                                batch, slot, owner)
+                    return {"owner": None}
+                owner = None  # claimed but never acquired: no row of it reached Spark
+            if owner is None:
                 b.claims[slot] = owner = agent_id
         return {"owner": owner}
+
+    def _refusal(self, batch: int, b: Optional[BatchState]) -> str:
+        """Why a read of ``batch`` may acquire nothing. Call with ``_lock`` held."""
+        if self.stopping:
+            return f"kafka-share batch {batch} cannot be read: the query is stopping"
+        if b is not None and b.state == "void":
+            return (f"kafka-share batch {batch} was planned by an earlier run of this query; it reads nothing "
+                    "(the records that run held were released and come back in later batches)")
+        if b is None and (not self.batches or batch > max(self.batches)):
+            return f"kafka-share batch {batch} was never planned by this run of the query; it cannot be read"
+        return (f"kafka-share batch {batch} is already committed and its records acknowledged, so it cannot be "
+                "read again: an action on a batch DataFrame after its foreachBatch call returned (or a task "
+                "attempt that outlived its stage) has no records to read. Keep what you need inside "
+                "foreachBatch (persist() or collect the rows there)")
 
     @staticmethod
     def _agent_of(conn: wire.RpcConnection) -> str:
@@ -448,7 +472,7 @@ class Tracker:
                                  "batch being processed in foreachBatch")
             batch = spark_batch
             keys = [(t, int(p), int(o)) for t, p, o in req["records"]]
-            foreign = [k for k in keys if not b.holds(*k)]
+            foreign = [k for k in keys if b.holder(*k) is None]
             if foreign:
                 raise ValueError(f"{len(foreign)} of {len(keys)} rows are not from batch {batch} of this query, e.g. "
                                  + ", ".join(f"{t}-{p}@{o}" for t, p, o in foreign[:5]))
@@ -466,7 +490,7 @@ class Tracker:
             with self._lock:
                 if self.agents.get(agent_id) is conn:
                     del self.agents[agent_id]
-            if not self._closed:
+            if not self.stopping:
                 log.warning("agent %s disconnected; records it held go back to the share group", agent_id)
 
     def _register_query(self, query_id: str) -> None:
@@ -487,6 +511,21 @@ class Tracker:
             raise SourceError(TWO_SOURCES)
         self._registry_path = path
         log.info("spark-share tracker %s serves query %s", self.tracker_id, query_id)
+        self._learn_commit_log()
+
+    def _learn_commit_log(self) -> None:
+        """Where Spark's commit log of this query is, from the note the listener wrote when the query
+        started (a stop then ACCEPTs batches Spark committed before anyone told the tracker)."""
+        if self.commit_log is not None or self.query_id is None:
+            return
+        try:
+            with open(checkpoint_note_path(self.query_id)) as f:
+                root = str(json.load(f)["root"])
+        except (OSError, ValueError, KeyError):
+            return
+        self.commit_log = _local_commit_log(root) or ""
+        log.info("spark-share tracker %s: commit log %s", self.tracker_id,
+                 self.commit_log or f"not readable here ({root}): a stop releases batches nobody said were committed")
 
     # planning -----------------------------------------------------------------------------
     def prepare_available_now(self) -> None:
@@ -538,8 +577,12 @@ class Tracker:
                 return True
             return time.monotonic() - self.last_plan_time >= self.opts.idle_probe_ms / 1000.0
 
-    def plan(self, batch: int, max_records: Optional[int]) -> BatchState:
+    def plan(self, batch: int, max_records: Optional[int]) -> Optional[BatchState]:
+        """Create ``batch`` (from latestOffset only: the one place a batch that reads is made) and start
+        its polls; None once the query is stopping."""
         with self._lock:
+            if self.stopping:
+                return None
             b = self.batches.get(batch)
             new = b is None
             if new:
@@ -551,6 +594,22 @@ class Tracker:
         if new and b.slots:
             self._prefetch(b)
         return b
+
+    def batch_to_read(self, batch: int) -> Optional[BatchState]:
+        """The batch Spark wants read tasks for, or None when it must read nothing: a batch this run did
+        not plan (after a restart Spark replays the last batch of the earlier run, whose records were
+        released: new records under its id would be ACCEPTed although an idempotent sink skips the
+        replayed id), or any batch once the query is stopping."""
+        with self._lock:
+            b = self.batches.get(batch)
+            if b is None:
+                b = self.batches[batch] = BatchState(batch, 0, None, state="void")
+                log.warning("spark-share batch %d was planned by an earlier run of this query: Spark replays it, "
+                            "and it reads nothing (the records that run held were released; they come back in "
+                            "later batches)", batch)
+            if self.stopping or b.state != "planned":
+                return None
+            return b
 
     def _prefetch(self, b: BatchState) -> None:
         """Ask each agent to start the polls of ``b`` now, as many as it read slots of the last
@@ -580,7 +639,11 @@ class Tracker:
         """Spark has committed every batch <= ``upto``: acknowledge them (ACCEPT unless a verdict
         says otherwise), through the agents that acquired the records."""
         with self._lock:
-            todo = [b for n, b in sorted(self.batches.items()) if n <= upto and b.state == "planned"]
+            self.committed_upto = max(self.committed_upto, upto)
+            if self.stopping:  # shutdown acknowledges what is left, knowing it was committed
+                todo = []
+            else:
+                todo = [b for n, b in sorted(self.batches.items()) if n <= upto and b.state == "planned"]
             for b in todo:
                 b.state = "acking"
                 b.committed_at = time.time()
@@ -594,13 +657,15 @@ class Tracker:
         if self.failure:
             raise SourceError(self.failure)
 
-    def _wait_acked(self, upto: int, pending=("acking", "queued")) -> None:
+    def _wait_acked(self, upto: int, pending=("acking", "queued"), timeout: Optional[float] = None) -> None:
         """Until no batch <= ``upto`` is in a ``pending`` state (bounded by the ack timeout)."""
         with self._acked:
             self._acked.wait_for(lambda: all(b.state not in pending for n, b in self.batches.items() if n <= upto),
-                                 timeout=self.opts.ack_timeout_ms / 1000.0 + 5)
+                                 timeout=self.opts.ack_timeout_ms / 1000.0 + 5 if timeout is None else timeout)
 
     def _acknowledge(self, b: BatchState, default: int) -> None:
+        """Queue ``b``'s acknowledgements on the agents that hold its records (``default`` unless a verdict
+        says otherwise); the broker's answers are collected by the finisher thread."""
         with self._lock:
             holders = {a["agent"] for a in b.acquired.values() if a.get("rows")}
             conns = {a: self.agents.get(a) for a in holders}
@@ -625,7 +690,7 @@ class Tracker:
         queued = {}
         for agent_id, conn in conns.items():
             if conn is None:
-                self._count_failed(b, agent_id, "AGENT_LOST")
+                self._count_failed(b, agent_id, AGENT_LOST)
                 continue
             try:
                 # Returns once the agent has queued the acknowledgement on each consumer, ahead of
@@ -633,12 +698,15 @@ class Tracker:
                 conn.call({"op": "ack", "batch": b.batch, "verdicts": verdicts, "default": default,
                            "timeout_s": timeout_s}, timeout=timeout_s + 10)
                 queued[agent_id] = conn
+            except ConnectionError:  # the agent went away: the broker releases what it held
+                self._count_failed(b, agent_id, AGENT_LOST)
             except Exception as e:
                 self._count_failed(b, agent_id, type(e).__name__)
         with self._lock:
+            # Submitted before the state leaves "acking": shutdown waits for that, then stops the finisher.
+            self._finisher.submit(self._finish_ack, b, default, queued, timeout_s)
             b.state = "queued"
             self._acked.notify_all()
-        self._finisher.submit(self._finish_ack, b, default, queued, timeout_s)
 
     def _count_failed(self, b: BatchState, agent_id: str, why: str) -> None:
         n = sum(a["rows"] for a in b.acquired.values() if a["agent"] == agent_id)
@@ -672,28 +740,35 @@ class Tracker:
                 cap = max(1, biggest // 2)
                 if self.lock_safe_records is None or cap < self.lock_safe_records:
                     self.lock_safe_records = cap
-            finished = sorted(n for n, x in self.batches.items() if x.state in ("acked", "released"))
+            finished = sorted(n for n, x in self.batches.items() if x.state in ("acked", "released", "void"))
             for n in finished[:-KEEP_FINISHED]:
                 del self.batches[n]
             self._acked.notify_all()
         self._log_batch(b)
 
     def _write_dead_letters(self, b: BatchState, conns: dict, rejects: list) -> Optional[str]:
-        """Phase one of acknowledging a batch with rejects: every agent writes the rejected records it
-        holds to the dead-letter target. Returns why that failed, or None."""
-        futs = {a: c.call_async({"op": "deadletter", "batch": b.batch, "records": rejects})
-                for a, c in conns.items() if c is not None}
-        if len(futs) < len(conns):
-            return "an agent holding rejected records is gone"
-        written = 0
+        """Phase one of acknowledging a batch with rejects: each live agent writes the rejected records it
+        holds to the dead-letter target. An agent that is gone wrote nothing and acknowledges nothing: its
+        records come back from the broker (counted failed), to be rejected again then. Returns why a write
+        failed, or None."""
+        held: Dict[str, list] = {}
+        with self._lock:
+            for r in rejects:
+                agent_id = b.holder(r[0], int(r[1]), int(r[2]))
+                if agent_id is not None:
+                    held.setdefault(agent_id, []).append(r)
+        futs = {a: conns[a].call_async({"op": "deadletter", "batch": b.batch, "records": mine})
+                for a, mine in held.items() if conns.get(a) is not None}
         for agent_id, f in futs.items():
             try:
                 rep, _ = f.result(timeout=120)
-                written += int(rep["written"])
+            except ConnectionError:
+                continue  # lost meanwhile: its acknowledgement fails too, its records come back
             except Exception as e:
                 return f"writing dead letters failed on {agent_id}: {scrub(str(e), self._secrets)}"
-        if written != len(rejects):
-            return f"only {written} of {len(rejects)} rejected records were found to write as dead letters"
+            if int(rep["written"]) != len(held[agent_id]):
+                return (f"only {rep['written']} of the {len(held[agent_id])} rejected records held by {agent_id} were "
+                        "found to write as dead letters")
         return None
 
     def _log_batch(self, b: BatchState) -> None:
@@ -746,42 +821,54 @@ class Tracker:
                     and os.path.exists(os.path.join(self.commit_log, str(b.spark_batch))))
 
     def shutdown(self) -> None:
-        """ACCEPT the batches in Spark's commit log that nobody told us of yet, RELEASE every other
-        held batch, wait for the broker's answers, stop agents, close."""
-        if self._closed:
-            return
+        """ACCEPT the batches Spark committed (it said so, or its commit log shows it), RELEASE every
+        other held batch, wait (bounded) for the broker's answers, stop the agents, close.
+
+        Safe from any thread while another is anywhere in a call (SIGTERM runs it on its own thread):
+        once ``stopping`` is set nothing is planned, claimed or acknowledged by anyone else, and every
+        wait here is bounded, so a stop never hangs on a half-finished call. A second caller waits for
+        the first to finish."""
         with self._lock:
-            pending = [b for _, b in sorted(self.batches.items()) if b.state == "planned"]
+            first = not self.stopping
+            self.stopping = True
+            pending = [b for _, b in sorted(self.batches.items()) if b.state == "planned"] if first else []
             for b in pending:
                 b.state = "acking"
-        for b in pending:
-            if self._in_commit_log(b):
-                b.committed_at = time.time()
-                self._acknowledge(b, ACCEPT)
-            else:
-                self._acknowledge(b, RELEASE)
-        if self.batches:
-            self._wait_acked(max(self.batches))
-        self._finisher.shutdown(wait=True)
-        self._closed = True
-        with self._lock:
-            conns = list(self.agents.values())
-        for c in conns:
-            try:
-                c.call({"op": "shutdown"}, timeout=10)
-            except Exception:
-                pass
-        for c in conns:
-            c.wait_closed(30)
-        self.server.close()
-        self.metadata.close()
-        if self._registry_path:
-            try:
-                os.unlink(self._registry_path)
-            except OSError:
-                pass
-        log.info("spark-share tracker %s stopped: %s", self.tracker_id, json.dumps(self.progress()))
-        self._close_log()
+        if not first:
+            self._stopped.wait(3 * SHUTDOWN_WAIT_S)
+            return
+        try:
+            self._learn_commit_log()
+            for b in pending:
+                if b.batch <= self.committed_upto or self._in_commit_log(b):
+                    b.committed_at = time.time()
+                    self._acknowledge(b, ACCEPT)
+                else:
+                    self._acknowledge(b, RELEASE)
+            if self.batches:
+                # Batches another thread is acknowledging are queued first, then the broker answers.
+                self._wait_acked(max(self.batches), ("acking",), timeout=SHUTDOWN_WAIT_S)
+                self._wait_acked(max(self.batches), timeout=SHUTDOWN_WAIT_S)
+            self._finisher.shutdown(wait=False)
+            with self._lock:
+                conns = list(self.agents.values())
+            # Closing its consumers releases whatever an agent still holds.
+            for c in conns:
+                c.call_async({"op": "shutdown"})
+            deadline = time.monotonic() + SHUTDOWN_WAIT_S
+            for c in conns:
+                c.wait_closed(max(0.0, deadline - time.monotonic()))
+            self.server.close()
+            self.metadata.close()
+            if self._registry_path:
+                try:
+                    os.unlink(self._registry_path)
+                except OSError:
+                    pass
+            log.info("spark-share tracker %s stopped: %s", self.tracker_id, json.dumps(self.progress()))
+            self._close_log()
+        finally:
+            self._stopped.set()
 
     def _close_log(self) -> None:
         logging.getLogger("spark_share").removeHandler(self._log_file)

@@ -16,7 +16,7 @@ import threading
 from typing import Dict, List, Optional, Tuple
 
 from . import wire
-from .agent import runtime_dir
+from .agent import checkpoint_note_path, runtime_dir
 
 log = logging.getLogger("spark_share.verdicts")
 
@@ -139,6 +139,32 @@ def _checkpoint_root(spark, query_id: str) -> Optional[str]:
         return None
 
 
+def _note_checkpoint(spark, query_id: str, run_id: str) -> None:
+    """Tell this host's tracker of the query where its commit log is, as the query starts (the
+    listener is called synchronously with start()): at a stop, a batch Spark committed a moment
+    before is then ACCEPTed rather than released, even when no signal came after the commit (a
+    Trigger.Once run ends right after its only batch)."""
+    root = _checkpoint_root(spark, query_id)
+    if not root:
+        return
+    path = checkpoint_note_path(query_id)
+    fd = os.open(path + ".tmp", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"root": root, "runId": run_id}, f)
+    os.replace(path + ".tmp", path)
+
+
+def _forget_checkpoint(query_id: str, run_id: str) -> None:
+    path = checkpoint_note_path(query_id)
+    try:
+        with open(path) as f:
+            if json.load(f).get("runId") != run_id:
+                return  # a restart of the query noted its own run already
+        os.unlink(path)
+    except (OSError, ValueError):
+        pass
+
+
 def install_listener(spark) -> None:
     from pyspark.sql.streaming import StreamingQueryListener
 
@@ -146,21 +172,17 @@ def install_listener(spark) -> None:
         """Progress events are posted after the batch is in the commit log: acknowledge it now."""
 
         def onQueryStarted(self, event):
-            pass
+            try:
+                _note_checkpoint(spark, str(event.id), str(event.runId))
+            except Exception:  # a listener must never break the query
+                log.debug("noting the checkpoint failed", exc_info=True)
 
         def onQueryProgress(self, event):
             p = event.progress
             try:
                 conn = tracker_for(str(p.id))
-                if conn is None:
-                    return
-                if conn.info.get("checkpoint") is None:
-                    # Where the commit log is: at a stop, the tracker accepts a batch Spark committed
-                    # before this signal reached it, instead of releasing it.
-                    conn.info["checkpoint"] = _checkpoint_root(spark, str(p.id)) or ""
-                    if conn.info["checkpoint"]:
-                        conn.call_async({"op": "checkpoint", "root": conn.info["checkpoint"]})
-                conn.call_async({"op": "committed", "spark_batch": int(p.batchId)})
+                if conn is not None:
+                    conn.call_async({"op": "committed", "spark_batch": int(p.batchId)})
             except Exception:  # a listener must never break the query
                 log.debug("commit signal failed", exc_info=True)
 
@@ -172,6 +194,7 @@ def install_listener(spark) -> None:
                 conn = _conns.pop(str(event.id), None)
             if conn is not None:
                 conn.close()
+            _forget_checkpoint(str(event.id), str(event.runId))
 
     key = id(spark)
     if key in _installed:

@@ -113,9 +113,11 @@ class BatchCollector:
 
 
 def drain_share_group(bootstrap: str, group: str, topics: List[str], timeout: float,
-                      ack=AcknowledgeType.ACCEPT, until: Optional[int] = None) -> List:
-    """Consume what a share group hands out within ``timeout`` s (or until ``until`` records)."""
-    c = ShareConsumer({"bootstrap.servers": bootstrap, "group.id": group, "share.acknowledgement.mode": "explicit"})
+                      ack=AcknowledgeType.ACCEPT, until: Optional[int] = None, **config) -> List:
+    """Consume what a share group hands out within ``timeout`` s (or until ``until`` records);
+    ``config``: more consumer configs, dots as underscores (``max_poll_records=100``)."""
+    c = ShareConsumer({"bootstrap.servers": bootstrap, "group.id": group, "share.acknowledgement.mode": "explicit",
+                       **{k.replace("_", "."): str(v) for k, v in config.items()}})
     c.subscribe(topics)
     got = []
     deadline = time.monotonic() + timeout

@@ -17,7 +17,7 @@ from pyspark.sql import functions as F
 
 import spark_share
 from spark_share import wire
-from spark_share.agent import agent_socket_path, runtime_dir
+from spark_share.agent import agent_socket_path, checkpoint_note_path, runtime_dir
 from support import (BatchCollector, Workload, agent_processes, batch_agents, check_no_loss, drain_share_group, ids_of, kill,
                      python_workers, read_stream, registry, tracker_log, wait_until)
 
@@ -395,14 +395,18 @@ def test_stop_accepts_a_committed_batch_it_was_not_told_of(kafka, tmp_path):
     t.agents["a1"] = agent
     (tmp_path / "commits").mkdir()
     (tmp_path / "commits" / "4").write_text("v1\n{}")  # Spark committed its batch 4
+    query_id = uid("q")
+    with open(checkpoint_note_path(query_id), "w") as f:  # what the listener notes when the query starts
+        json.dump({"root": f"file:{tmp_path}", "runId": "r"}, f)
     try:
-        t._handle(agent, {"op": "checkpoint", "root": f"file:{tmp_path}"}, b"")
+        t._register_query(query_id)
         for n, spark_batch in ((0, 4), (1, 5)):
             t.plan(n, None)
             t.batches[n].spark_batch = spark_batch
             t._acquired(agent, {"batch": n, "slot": 0, "rows": 3, "offsets": {"stopping": {"0": [[3 * n, 3 * n + 2]]}}})
     finally:
         t.shutdown()
+        os.unlink(checkpoint_note_path(query_id))
     assert sent == {0: ACCEPT, 1: RELEASE}
 
 

@@ -1,0 +1,93 @@
+"""Drives a kafka-share reader the way Spark's source runner does, outside Spark, and holds one thread
+at a phase of batch 0's commit so that a test can send SIGTERM exactly there (test_replay.py).
+
+    python sigterm_harness.py BOOTSTRAP GROUP TOPIC PHASE QUERY_ID
+
+It reads batch 0 (spawning this host's agent), prints ``READ <rows> <tracker id>``, waits for a line
+on stdin (the test produces more records meanwhile), then calls latestOffset(end of batch 0) as
+Spark does once batch 0 is in its commit log: that ACCEPTs batch 0 and plans batch 1, whose polls
+start at once. At PHASE it prints ``PHASE <name>`` and holds until the stop has begun:
+
+- ``latest_offset``: the main thread, inside latestOffset, about to send batch 0's acknowledgements;
+- ``planning``: the main thread, inside latestOffset, right after batch 1's polls were started;
+- ``acknowledging``: the thread that collects the broker's answers to batch 0's acknowledgements.
+
+Nothing here sleeps: the held thread waits on an event set when the stop begins.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+os.environ["SPARK_SHARE_FORCE_SIGTERM"] = "1"  # the runner's SIGTERM handling, outside the runner
+
+from spark_share.options import parse_options  # noqa: E402
+from spark_share.reader import ShareStreamReader  # noqa: E402
+from spark_share.tracker import Tracker  # noqa: E402
+
+HOLD_S = 60.0
+
+
+def main() -> None:
+    bootstrap, group, topic, phase, query_id = sys.argv[1:6]
+    stop_begun = threading.Event()
+
+    def hold(name: str) -> None:
+        print("PHASE", name, flush=True)
+        stop_begun.wait(HOLD_S)
+
+    shutdown = Tracker.shutdown
+
+    def shutdown_and_say(self):
+        stop_begun.set()
+        return shutdown(self)
+
+    Tracker.shutdown = shutdown_and_say
+    reader = ShareStreamReader(parse_options({"kafka.bootstrap.servers": bootstrap, "kafka.group.id": group,
+                                              "subscribe": topic, "pollTimeoutMs": "5000"}))
+    try:  # as the runner: stop() when the main thread leaves, however it leaves
+        start = reader.initialOffset()
+        t = reader._t()
+        end = reader.latestOffset(start, None)
+        rows = sum(rb.num_rows for p in reader.partitions(start, end) for rb in reader.read(p))
+        t._register_query(query_id)
+        print("READ", rows, t.tracker_id, flush=True)
+        sys.stdin.readline()
+
+        if phase == "latest_offset":
+            acknowledge = Tracker._acknowledge
+
+            def held_acknowledge(self, b, default):
+                if threading.current_thread() is threading.main_thread():
+                    hold(phase)
+                return acknowledge(self, b, default)
+
+            Tracker._acknowledge = held_acknowledge
+        elif phase == "planning":
+            prefetch = Tracker._prefetch
+
+            def held_prefetch(self, b):
+                prefetch(self, b)
+                hold(phase)
+
+            Tracker._prefetch = held_prefetch
+        elif phase == "acknowledging":
+            finish = Tracker._finish_ack
+
+            def held_finish(self, *args):
+                hold(phase)
+                return finish(self, *args)
+
+            Tracker._finish_ack = held_finish
+        else:
+            raise SystemExit(f"unknown phase {phase!r}")
+        reader.latestOffset(end, None)
+        print("LATEST_OFFSET_RETURNED", flush=True)
+        sys.stdin.readline()  # the test ends us with SIGTERM
+    finally:
+        reader.stop()
+
+
+if __name__ == "__main__":
+    main()
