@@ -57,7 +57,7 @@ print(json.dumps({"seconds": dt, "records": sum(got),
 def produce(kafka, topic, n, partitions):
     from confluent_kafka import Producer
 
-    from spark_share.job import produce_waiting
+    from spark_share.job.workload import produce_waiting
 
     p = Producer({"bootstrap.servers": kafka.bootstrap_servers, "linger.ms": 5, "batch.num.messages": 10000})
     payload = b"x" * 100
@@ -241,8 +241,9 @@ def decode_bench(n=300_000, repeats=5):
 
 def latency_bench(spark, kafka, seconds=20, rate=200):
     """Default trigger, light paced load: produce -> foreachBatch latency, and commit -> acks confirmed."""
-    import spark_share
     from confluent_kafka import Producer
+
+    import spark_share
 
     kafka.create_topic("lat", 2)
     lat = []

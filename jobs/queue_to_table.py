@@ -8,12 +8,13 @@
 A relative --config is looked up in the current directory, then in the repository root (the
 directory above jobs/): on Databricks the working directory of a Python file task is the file's.
 
-The logic lives in spark_share.job so that it is versioned and tested with the source.
+The logic lives in the package spark_share.job (this command line: spark_share/job/command.py) so
+that it is versioned and tested with the source.
 """
 import os
 import sys
 
-from spark_share.job import main
+from spark_share.job.command import main
 
 if __name__ == "__main__":
     here = globals().get("__file__")

@@ -10,16 +10,50 @@
 """
 from __future__ import annotations
 
+from .errors import (
+    AuthError,
+    BatchRefused,
+    ConfigError,
+    DeadLetterError,
+    EmbeddedKafkaError,
+    OptionError,
+    RemoteError,
+    SourceError,
+    SparkShareError,
+    VerdictError,
+)
+
 __version__ = "0.1.0"
 
-__all__ = ["register", "reject", "release", "status", "__version__"]
+__all__ = ["register", "reject", "release", "status", "__version__", "SparkShareError", "OptionError",
+           "ConfigError", "SourceError", "BatchRefused", "VerdictError", "DeadLetterError", "EmbeddedKafkaError",
+           "AuthError", "RemoteError"]
 
 
 def register(spark) -> None:
-    """Register ``format("kafka-share")`` with this Spark session, and the listener that tells the
-    source promptly when a batch has committed. Safe to call more than once."""
+    """Register ``format("kafka-share")`` and the commit listener with a Spark session.
+
+    The listener tells the source promptly when a batch has committed, so its records are
+    acknowledged within about a second even under a long ``processingTime`` trigger. Safe to call
+    more than once.
+
+    Parameters
+    ----------
+    spark : pyspark.sql.SparkSession
+        The session whose ``readStream`` gets the ``kafka-share`` format.
+
+    Examples
+    --------
+    >>> import spark_share
+    >>> spark_share.register(spark)  # doctest: +SKIP
+    >>> df = (spark.readStream.format("kafka-share")  # doctest: +SKIP
+    ...       .option("kafka.bootstrap.servers", "localhost:9092")
+    ...       .option("kafka.group.id", "orders-app")
+    ...       .option("subscribe", "orders")
+    ...       .load())
+    """
+    from .listener import install_listener
     from .source import KafkaShareDataSource
-    from .verdicts import install_listener
 
     _tell_workers_where_executors_are(spark)
     spark.dataSource.register(KafkaShareDataSource)
@@ -40,21 +74,102 @@ def _tell_workers_where_executors_are(spark) -> None:
 
 
 def reject(rows, reason=None) -> int:
-    """REJECT these rows of the current batch once it commits (see ``spark_share.verdicts``)."""
+    """REJECT these rows of the current batch once it commits: the broker archives them.
+
+    Call inside ``foreachBatch``. With a dead-letter target (``deadLetterTopic`` or
+    ``deadLetterPath``) the rows are written there, with ``reason``, before the REJECT is sent.
+    Nothing is acknowledged until Spark commits the batch; if it fails, the rows come back.
+
+    Parameters
+    ----------
+    rows : pyspark.sql.DataFrame or iterable of Row
+        Rows of the batch being processed, with the source's ``topic``, ``partition`` and
+        ``offset`` columns.
+    reason : str, optional
+        Why; stored with the dead letter.
+
+    Returns
+    -------
+    int
+        How many rows were given the verdict.
+
+    Raises
+    ------
+    VerdictError
+        Called outside ``foreachBatch`` of a kafka-share query, rows of another batch or without
+        the coordinate columns, or rows already released.
+
+    Examples
+    --------
+    >>> def process(batch, batch_id):  # doctest: +SKIP
+    ...     parsed = batch.withColumn("order", from_json(col("value").cast("string"), schema))
+    ...     spark_share.reject(parsed.where("order IS NULL"), reason="unparseable JSON")
+    ...     parsed.where("order IS NOT NULL").write.mode("append").parquet("/data/orders")
+    >>> query = df.writeStream.foreachBatch(process).start()  # doctest: +SKIP
+    """
     from .verdicts import reject as _reject
 
     return _reject(rows, reason=reason)
 
 
 def release(rows) -> int:
-    """RELEASE these rows of the current batch once it commits: they are delivered again."""
+    """RELEASE these rows of the current batch once it commits: they are delivered again.
+
+    Each delivery raises the record's ``deliveryCount``; past ``maxDeliveryCount`` (if set) a
+    record is rejected to the dead-letter target instead of reaching ``foreachBatch`` again.
+
+    Parameters
+    ----------
+    rows : pyspark.sql.DataFrame or iterable of Row
+        Rows of the batch being processed, with ``topic``, ``partition`` and ``offset``.
+
+    Returns
+    -------
+    int
+        How many rows were given the verdict.
+
+    Raises
+    ------
+    VerdictError
+        As for :func:`reject`.
+
+    Examples
+    --------
+    >>> def process(batch, batch_id):  # doctest: +SKIP
+    ...     spark_share.release(batch.where("value IS NULL AND deliveryCount < 3"))  # look again later
+    ...     batch.where("value IS NOT NULL").write.mode("append").parquet("/data/orders")
+    """
     from .verdicts import release as _release
 
     return _release(rows)
 
 
 def status(query) -> dict:
-    """The driver-side view of a running kafka-share query."""
-    from .verdicts import status as _status
+    """The driver-side view of a running kafka-share query.
+
+    Parameters
+    ----------
+    query : pyspark.sql.streaming.StreamingQuery
+        A running query that reads ``kafka-share``, started in this process.
+
+    Returns
+    -------
+    dict
+        The progress counts (``acquired``, ``accepted``, ``released``, ``rejected``, ``expired``,
+        ``failed``, ``inflightRecords``, ``agents``, lock headroom) plus the last 20 batches and
+        the share sessions that held records.
+
+    Raises
+    ------
+    VerdictError
+        The query is not a running kafka-share query on this host.
+
+    Examples
+    --------
+    >>> q = df.writeStream.format("noop").start()  # doctest: +SKIP
+    >>> spark_share.status(q)["accepted"]  # doctest: +SKIP
+    1200
+    """
+    from .client import status as _status
 
     return _status(query)

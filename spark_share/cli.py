@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import random
 import signal
 import sys
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from collections.abc import Callable
 
 
 # --- broker ---------------------------------------------------------------------------------
@@ -97,19 +96,14 @@ def _produce_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
 
 
-def order_record(i: int, rnd: random.Random) -> bytes:
-    return json.dumps({"order_id": i, "customer": f"c{rnd.randrange(1000):03d}",
-                       "amount": round(rnd.uniform(1, 500), 2), "ts": time.time()}).encode()
-
-
 def _produce(args: argparse.Namespace) -> int:
     from confluent_kafka import Producer
 
-    from .job import produce_waiting
+    from .job.workload import produce_waiting, synthetic_order
 
     if args.bootstrap_servers.startswith("bootstrap.servers="):
         args.bootstrap_servers = args.bootstrap_servers.split("=", 1)[1]
-    errors: List[str] = []
+    errors: list[str] = []
 
     def on_delivery(err, _msg):
         if err is not None:
@@ -124,11 +118,10 @@ def _produce(args: argparse.Namespace) -> int:
             delay = t0 + i / args.rate - time.monotonic()
             if delay > 0:
                 time.sleep(delay)  # rate pacing
-        if rnd.random() < args.malformed:
-            value = b'{"order_id": ' + str(i).encode() + b', "amount": not-json'
-            bad += 1
-        else:
-            value = order_record(i, rnd)
+        # Orders without a status, stamped with the time they were made; --malformed of them not JSON.
+        kind, value = synthetic_order(i, rnd, mix=[("malformed", args.malformed)], rest="no_status",
+                                      customers=1000, stamp=True)
+        bad += kind == "malformed"
         produce_waiting(p, args.topic, key=str(i).encode(), value=value, on_delivery=on_delivery)
     left = p.flush(60)
     took = time.monotonic() - t0
@@ -143,7 +136,8 @@ def _produce(args: argparse.Namespace) -> int:
 
 # --- demo -----------------------------------------------------------------------------------
 def _demo_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the demo (see 'spark-share demo --help')")
+    p.add_argument("rest", nargs=argparse.REMAINDER,
+                   help="arguments of the demo (see 'spark-share demo --help')")
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -163,10 +157,11 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 # --- main -----------------------------------------------------------------------------------
-Command = Tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
-COMMANDS: Dict[str, Command] = {
+Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+COMMANDS: dict[str, Command] = {
     "broker": ("run the embedded Kafka broker (share groups on) until Ctrl-C", _broker_args, _broker),
-    "produce": ("produce JSON order records (some malformed, if asked) for manual tests", _produce_args, _produce),
+    "produce": ("produce JSON order records (some malformed, if asked) for manual tests", _produce_args,
+                _produce),
     "demo": ("run the demo job on the embedded broker (see 'spark-share demo --help')", _demo_args, _demo),
 }
 # Subcommands whose arguments (including --help) belong to the code they call.
@@ -174,7 +169,8 @@ _PASS_THROUGH = {"demo"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="spark-share", description="Kafka share groups as a PySpark streaming source.")
+    ap = argparse.ArgumentParser(prog="spark-share",
+                                 description="Kafka share groups as a PySpark streaming source.")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_, add_args, run) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_, add_help=name not in _PASS_THROUGH)
@@ -183,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _PASS_THROUGH:
         # argparse would take a leading --help for itself; hand everything to the subcommand.

@@ -2,8 +2,9 @@
 
 Owns: the two targets (a Kafka topic, written with an idempotent producer and flushed; a
 Parquet table path, one file per batch and slot) and the fields added to each record (reason,
-source coordinates, delivery count, query id, batch id). Used by the agent, which holds the
-original records, when the tracker acknowledges a batch that has rejects.
+source coordinates, delivery count, query id, batch id), and the check when a query starts that its
+target exists and can be written. Used by the agent, which holds the original records, when the
+tracker acknowledges a batch that has rejects.
 
 Must never: report success before the records are durable at the target (the producer is
 flushed, the file closed), or drop a field of the original record.
@@ -13,15 +14,27 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from typing import Dict, List, Optional, Tuple
 
 import pyarrow as pa
+
+from .errors import DeadLetterError, SourceError
 
 HEADER_PREFIX = "spark-share."
 
 
-class DeadLetterError(RuntimeError):
-    pass
+
+def check_target(opts, metadata_client) -> None:
+    """Fail fast, naming the option, when the dead-letter target is missing or cannot be written."""
+    if opts.dead_letter_topic:
+        md = metadata_client.list_topics(opts.dead_letter_topic, timeout=30)
+        t = md.topics.get(opts.dead_letter_topic)
+        if t is None or t.error is not None:
+            raise SourceError(f"option 'deadLetterTopic' = {opts.dead_letter_topic!r}: the topic does not exist on "
+                              f"{opts.bootstrap_servers!r}; create it first (rejected records are written there)")
+        # Whether this client may write there shows at the first reject: a refused write fails the
+        # query, naming the option, and acknowledges nothing of its batch.
+    if opts.dead_letter_path:
+        check_path(opts.dead_letter_path)
 
 
 def check_path(path: str) -> None:
@@ -47,8 +60,8 @@ def _filesystem(path: str):
     return fs.LocalFileSystem(), os.path.abspath(local)
 
 
-def rejected_table(batch: pa.RecordBatch, wanted: Dict[Tuple[str, int, int], Optional[str]],
-                   query_id: Optional[str], batch_id: int) -> pa.Table:
+def rejected_table(batch: pa.RecordBatch, wanted: dict[tuple[str, int, int], str | None],
+                   query_id: str | None, batch_id: int) -> pa.Table:
     """The rows of ``batch`` named in ``wanted`` ((topic, partition, offset) -> reason), with the
     dead-letter fields added."""
     topics = batch.column("topic").to_pylist()
@@ -67,7 +80,7 @@ def rejected_table(batch: pa.RecordBatch, wanted: Dict[Tuple[str, int, int], Opt
 
 
 class DeadLetterWriter:
-    def __init__(self, topic: Optional[str], path: Optional[str], producer_config: Dict[str, str]):
+    def __init__(self, topic: str | None, path: str | None, producer_config: dict[str, str]):
         self.topic = topic
         self.path = path
         self._producer_config = producer_config
@@ -97,6 +110,7 @@ class DeadLetterWriter:
     def _to_path(self, table: pa.Table, batch_id: int, name: str) -> int:
         import pyarrow.parquet as pq
 
+        assert self.path is not None
         fs, base = _filesystem(self.path)
         d = f"{base.rstrip('/')}/batchId={batch_id}"
         fs.create_dir(d, recursive=True)
@@ -109,7 +123,7 @@ class DeadLetterWriter:
         from confluent_kafka import KafkaException
 
         producer = self._producer_for()
-        errors: List[str] = []
+        errors: list[str] = []
 
         def delivered(err, _msg):
             if err is not None:

@@ -3,6 +3,6 @@ from __future__ import annotations
 
 
 def main(argv=None) -> int:
-    from .job import main as job_main
+    from .job.command import main as job_main
 
     return job_main(argv, prog="spark-share demo")

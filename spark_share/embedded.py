@@ -16,7 +16,9 @@ import ctypes
 import glob
 import os
 import threading
-from typing import Iterable, Optional, Sequence, Tuple
+from collections.abc import Iterable, Sequence
+
+from .errors import EmbeddedKafkaError
 
 REQUIRED_CONFLUENT_KAFKA = "2.16.1"
 
@@ -28,9 +30,6 @@ API_KEYS = {"ShareGroupHeartbeat": 76, "ShareFetch": 78, "ShareAcknowledge": 79,
             "Produce": 0, "Fetch": 1, "ListOffsets": 2, "Metadata": 3,
             "FindCoordinator": 10}
 
-
-class EmbeddedKafkaError(RuntimeError):
-    pass
 
 
 def _find_librdkafka() -> str:
@@ -118,10 +117,10 @@ class EmbeddedKafka:
     """
 
     def __init__(self, brokers: int = 1, *, auto_offset_reset: str = "earliest",
-                 record_lock_duration_ms: Optional[int] = None,
-                 max_delivery_attempts: Optional[int] = None,
-                 session_timeout_ms: Optional[int] = None,
-                 heartbeat_interval_ms: Optional[int] = None):
+                 record_lock_duration_ms: int | None = None,
+                 max_delivery_attempts: int | None = None,
+                 session_timeout_ms: int | None = None,
+                 heartbeat_interval_ms: int | None = None):
         if brokers < 1:
             raise ValueError("brokers must be >= 1")
         self._lib = _load()
@@ -158,7 +157,7 @@ class EmbeddedKafka:
             self.set_heartbeat_interval(heartbeat_interval_ms)
 
     # lifecycle -------------------------------------------------------------------------
-    def __enter__(self) -> "EmbeddedKafka":
+    def __enter__(self) -> EmbeddedKafka:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -240,7 +239,7 @@ class EmbeddedKafka:
         self._lib.rd_kafka_mock_partition_push_request_errors(
             self._cluster(), topic.encode(), partition, self._api_key(api), len(errors), *extra)
 
-    def push_broker_request_errors(self, broker_id: int, api, errors_rtts: Iterable[Tuple[int, int]]) -> None:
+    def push_broker_request_errors(self, broker_id: int, api, errors_rtts: Iterable[tuple[int, int]]) -> None:
         """The next requests of ``api`` to one broker answer with (error code, delay ms)."""
         pairs = list(errors_rtts)
         extra = []
@@ -295,7 +294,7 @@ class EmbeddedKafka:
         return f"EmbeddedKafka(brokers={self.brokers}, {state})"
 
 
-def parse_topic_spec(spec: str) -> Tuple[str, int]:
+def parse_topic_spec(spec: str) -> tuple[str, int]:
     """``orders:4`` -> ("orders", 4); ``orders`` -> ("orders", 1)."""
     name, _, parts = spec.partition(":")
     if not name:

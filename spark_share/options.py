@@ -9,13 +9,10 @@ error message or a repr, or silently accept an option it does not act on.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Tuple
 
-
-class OptionError(ValueError):
-    """A bad option of the kafka-share source; the message names it and says what to do."""
-
+from .errors import OptionError
 
 DEFAULT_POLL_TIMEOUT_MS = 1000
 DEFAULT_MAX_POLL_RECORDS = 10000
@@ -23,7 +20,7 @@ DEFAULT_ACK_TIMEOUT_MS = 30000
 DEFAULT_IDLE_PROBE_MS = 10000
 
 # Our own options: name -> (default, description). Lookups are case-insensitive like Spark's.
-SOURCE_OPTIONS: Dict[str, Tuple[Optional[str], str]] = {
+SOURCE_OPTIONS: dict[str, tuple[str | None, str]] = {
     "subscribe": (None, "comma-separated topics (required)"),
     "includeHeaders": ("false", "add a headers column"),
     "numPartitions": (None, "Spark tasks, and so share consumers, per micro-batch; default: the number of subscribed topic-partitions"),
@@ -84,11 +81,11 @@ def is_secret(key: str) -> bool:
     return bool(_SECRET_KEY.search(key))
 
 
-def redact(conf: Mapping[str, object]) -> Dict[str, object]:
+def redact(conf: Mapping[str, object]) -> dict[str, object]:
     return {k: ("***" if is_secret(k) else v) for k, v in conf.items()}
 
 
-def scrub(text: str, secrets: List[str]) -> str:
+def scrub(text: str, secrets: list[str]) -> str:
     """Remove any secret value from free text (e.g. a client's error message)."""
     for s in secrets:
         if s and len(s) >= 3:
@@ -119,20 +116,20 @@ def _bool(name: str, raw: str) -> bool:
 class ShareSourceOptions:
     bootstrap_servers: str
     group_id: str
-    topics: Tuple[str, ...]
+    topics: tuple[str, ...]
     include_headers: bool = False
-    num_partitions: Optional[int] = None
-    max_records_per_trigger: Optional[int] = None
+    num_partitions: int | None = None
+    max_records_per_trigger: int | None = None
     poll_timeout_ms: int = DEFAULT_POLL_TIMEOUT_MS
     ack_timeout_ms: int = DEFAULT_ACK_TIMEOUT_MS
     idle_probe_ms: int = DEFAULT_IDLE_PROBE_MS
-    dead_letter_topic: Optional[str] = None
-    dead_letter_path: Optional[str] = None
-    max_delivery_count: Optional[int] = None
+    dead_letter_topic: str | None = None
+    dead_letter_path: str | None = None
+    max_delivery_count: int | None = None
     # kafka.* options other than bootstrap servers and group id, prefix removed.
-    kafka: Dict[str, str] = field(default_factory=dict)
+    kafka: dict[str, str] = field(default_factory=dict)
 
-    def consumer_config(self, max_poll_records: Optional[int] = None) -> Dict[str, str]:
+    def consumer_config(self, max_poll_records: int | None = None) -> dict[str, str]:
         conf = {"max.poll.records": str(DEFAULT_MAX_POLL_RECORDS)}
         conf.update(self.kafka)
         if max_poll_records is not None:
@@ -145,7 +142,7 @@ class ShareSourceOptions:
     def dead_letter(self) -> bool:
         return bool(self.dead_letter_topic or self.dead_letter_path)
 
-    def producer_config(self) -> Dict[str, str]:
+    def producer_config(self) -> dict[str, str]:
         """Config for the dead-letter producer: connection and security settings only."""
         consumer_only = ("max.poll.records", "share.", "fetch.", "group.", "max.partition.fetch.bytes",
                          "client.rack", "check.crcs", "max.poll.interval.ms", "queued.")
@@ -153,7 +150,7 @@ class ShareSourceOptions:
         conf["bootstrap.servers"] = self.bootstrap_servers
         return conf
 
-    def metadata_config(self) -> Dict[str, str]:
+    def metadata_config(self) -> dict[str, str]:
         """Config for the driver's plain client that reads metadata and high watermarks."""
         share_only = ("max.poll.records", "share.")
         conf = {k: v for k, v in self.kafka.items() if not k.startswith(share_only)}
@@ -161,7 +158,7 @@ class ShareSourceOptions:
                      "group.id": f"{self.group_id}.spark-share-metadata"})
         return conf
 
-    def secret_values(self) -> List[str]:
+    def secret_values(self) -> list[str]:
         return [v for k, v in self.kafka.items() if is_secret(k)]
 
     def __repr__(self) -> str:  # never show secrets
@@ -175,8 +172,8 @@ def parse_options(options: Mapping[str, str]) -> ShareSourceOptions:
     """Validate the options a user gave ``readStream.format("kafka-share")``."""
     ours = {k.lower(): k for k in SOURCE_OPTIONS}
     foreign = {k.lower(): k for k in NOT_FOR_SHARE_GROUPS}
-    given: Dict[str, str] = {}
-    kafka: Dict[str, str] = {}
+    given: dict[str, str] = {}
+    kafka: dict[str, str] = {}
     for key, value in options.items():
         low = key.lower()
         if low == "path":
@@ -239,9 +236,9 @@ def parse_options(options: Mapping[str, str]) -> ShareSourceOptions:
         include_headers=_bool("includeHeaders", given.get("includeHeaders", "false")),
         num_partitions=_int("numPartitions", num, 1, 10_000) if num is not None else None,
         max_records_per_trigger=_int("maxRecordsPerTrigger", mrt, 1, 2**62) if mrt is not None else None,
-        poll_timeout_ms=_int("pollTimeoutMs", given.get("pollTimeoutMs", DEFAULT_POLL_TIMEOUT_MS), 0, 600_000),
-        ack_timeout_ms=_int("ackTimeoutMs", given.get("ackTimeoutMs", DEFAULT_ACK_TIMEOUT_MS), 100, 3_600_000),
-        idle_probe_ms=_int("idleProbeIntervalMs", given.get("idleProbeIntervalMs", DEFAULT_IDLE_PROBE_MS), 100, 86_400_000),
+        poll_timeout_ms=_int("pollTimeoutMs", given.get("pollTimeoutMs", str(DEFAULT_POLL_TIMEOUT_MS)), 0, 600_000),
+        ack_timeout_ms=_int("ackTimeoutMs", given.get("ackTimeoutMs", str(DEFAULT_ACK_TIMEOUT_MS)), 100, 3_600_000),
+        idle_probe_ms=_int("idleProbeIntervalMs", given.get("idleProbeIntervalMs", str(DEFAULT_IDLE_PROBE_MS)), 100, 86_400_000),
         dead_letter_topic=dlt,
         dead_letter_path=dlp,
         max_delivery_count=max_delivery,

@@ -1,7 +1,6 @@
 """The streaming reader of ``format("kafka-share")``: Spark's calls, mapped onto the tracker and agents.
 
-Owns: the offset format (``{"v": 1, "batch": N}``: the id of the last planned batch, nothing else,
-so offsets never carry an address or a secret), the driver-side calls (latestOffset acknowledges
+Owns: the driver-side calls (latestOffset acknowledges
 the batch Spark has just committed, then decides whether a new one is worth running), the input
 partitions, and ``read()``, which asks this host's agent for a (batch, slot) and yields Arrow.
 
@@ -17,38 +16,29 @@ import os
 import signal
 import sys
 import threading
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows, SupportsTriggerAvailableNow
 
+from . import runtime
+from .offsets import INITIAL, batch_of, offset_of
 from .options import ShareSourceOptions
+from .protocol import Read, call
 
 log = logging.getLogger("spark_share.reader")
 
-OFFSET_VERSION = 1
 # Per Python worker: the connection to this host's agent of each query run, kept between tasks (a
 # worker runs one task at a time).
 _AGENTS: dict = {}
 READ_TIMEOUT_S = 600.0
 
 
-def _batch_of(offset: dict) -> int:
-    if not isinstance(offset, dict) or offset.get("v") != OFFSET_VERSION or "batch" not in offset:
-        raise ValueError(f"unrecognised kafka-share offset {offset!r}: this checkpoint was written by another "
-                         "source or version; start the query with a new checkpointLocation")
-    return int(offset["batch"])
-
-
-def _offset(batch: int) -> dict:
-    return {"v": OFFSET_VERSION, "batch": batch}
-
-
 class SharePartition(InputPartition):
     """One Spark task = one share consumer's single poll for one batch."""
 
     def __init__(self, tracker_host: str, tracker_port: int, tracker_id: str, secret: str, batch: int,
-                 slot: int, max_records: Optional[int], poll_timeout_ms: int):
+                 slot: int, max_records: int | None, poll_timeout_ms: int):
         super().__init__(None)
         self.tracker_host = tracker_host
         self.tracker_port = tracker_port
@@ -65,16 +55,6 @@ class SharePartition(InputPartition):
     __str__ = __repr__
 
 
-def _configure_logging() -> None:
-    root = logging.getLogger("spark_share")
-    if not root.handlers:
-        h = logging.StreamHandler(sys.stderr)
-        h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        root.addHandler(h)
-        root.setLevel(logging.INFO)
-        root.propagate = False
-
-
 class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def __init__(self, opts: ShareSourceOptions):
         self.opts = opts
@@ -88,7 +68,7 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 raise RuntimeError("the kafka-share source is stopping")
             from .tracker import Tracker
 
-            _configure_logging()
+            runtime.log_to_stderr()
             if threading.current_thread() is threading.main_thread() and _in_source_runner():
                 # The JVM ends the runner with SIGTERM on stop and failure: stop() then runs on a thread
                 # of its own, and the process exits when it is done.
@@ -98,7 +78,7 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def initialOffset(self) -> dict:
         self._t()  # fail fast on an unreachable broker or a missing topic
-        return _offset(-1)
+        return offset_of(INITIAL)
 
     def getDefaultReadLimit(self):
         n = self.opts.max_records_per_trigger
@@ -109,21 +89,21 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def latestOffset(self, start: dict, limit=None) -> dict:
         t = self._t()
-        last = _batch_of(start)
+        last = batch_of(start)
         # Spark calls latestOffset(start) only once the batch ending at start is in the commit log.
         # Its acknowledgements are queued on the consumers before this returns; the broker's answers
         # are collected while Spark writes the next offsets and plans.
         t.batch_committed(last, wait=False)
         if not t.should_run(last) or t.plan(last + 1, limit.max_rows if isinstance(limit, ReadMaxRows) else None) is None:
             return start
-        return _offset(last + 1)
+        return offset_of(last + 1)
 
     def reportLatestOffset(self):
         return self._tracker.progress() if self._tracker is not None else None
 
     def partitions(self, start: dict, end: dict):
         t = self._t()
-        first, last = _batch_of(start), _batch_of(end)
+        first, last = batch_of(start), batch_of(end)
         if last <= first:
             return []
         b = t.batch_to_read(last)
@@ -136,7 +116,7 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def commit(self, end: dict) -> None:
         # One batch late and never for the last batch: only a backstop for latestOffset.
         if self._tracker is not None:
-            self._tracker.batch_committed(_batch_of(end))
+            self._tracker.batch_committed(batch_of(end))
 
     def stop(self) -> None:
         self._stopped = True
@@ -144,7 +124,7 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             self._tracker.shutdown()  # a second caller waits for the first
 
     # executor side ---------------------------------------------------------------------------
-    def read(self, partition: SharePartition) -> Iterator:
+    def read(self, partition: SharePartition) -> Iterator:  # type: ignore[override]
         from pyspark import TaskContext
 
         from . import records
@@ -154,25 +134,24 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         # Spark's batch id can run ahead of ours (no-data batches, other sources): verdicts and commit
         # signals name Spark's, so the tracker learns which of its batches it is.
         spark_batch = ctx.getLocalProperty("streaming.sql.batchId") if ctx else None
-        request = {"op": "read", "batch": partition.batch, "slot": partition.slot, "max_records": partition.max_records,
-                   "poll_timeout_ms": partition.poll_timeout_ms, "query_id": query_id,
-                   "spark_batch": int(spark_batch) if spark_batch is not None else None}
+        request = Read(partition.batch, partition.slot, partition.max_records, partition.poll_timeout_ms, query_id,
+                       int(spark_batch) if spark_batch is not None else None)
         timeout = READ_TIMEOUT_S + partition.poll_timeout_ms / 1000.0
         conn = _AGENTS.get(partition.tracker_id)
         if conn is None or conn.closed:
             conn = self._connect_agent(partition)
         try:
-            _, blob = conn.call(request, timeout=timeout)
+            _, blob = call(conn, request, timeout=timeout)
         except ConnectionError:  # the agent of an earlier task went away; start or find the current one
             conn.close()
-            _, blob = self._connect_agent(partition).call(request, timeout=timeout)
+            _, blob = call(self._connect_agent(partition), request, timeout=timeout)
         yield from records.from_ipc(blob)
 
     def _connect_agent(self, partition: SharePartition):
         """Find or start this host's agent; the connection is kept for this worker's next tasks."""
-        from . import agent
+        from .launcher import ensure_agent
 
-        conn = _AGENTS[partition.tracker_id] = agent.ensure_agent(
+        conn = _AGENTS[partition.tracker_id] = ensure_agent(
             (partition.tracker_host, partition.tracker_port), partition.tracker_id, partition.secret, self.opts)
         return conn
 
@@ -185,7 +164,7 @@ class _StopOnSigterm:
     JVM's socket, so the wake-up is the byte the C-level handler writes to ``set_wakeup_fd``, not
     the Python-level handler (which runs only once the main thread comes back to Python)."""
 
-    def __init__(self, reader: "ShareStreamReader"):
+    def __init__(self, reader: ShareStreamReader):
         self._reader = reader
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_w, False)

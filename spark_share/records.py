@@ -10,7 +10,7 @@ acknowledged), or touch a consumer.
 from __future__ import annotations
 
 import gc
-from typing import Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 import pyarrow as pa
 
@@ -46,11 +46,11 @@ def empty_batch(include_headers: bool) -> pa.RecordBatch:
 
 
 # Offsets acquired by one poll, as sorted runs: {topic: {partition: [[first, last], ...]}}.
-Acquired = Dict[str, Dict[int, List[List[int]]]]
+Acquired = dict[str, dict[int, list[list[int]]]]
 
 
-def to_record_batch(msgs: Sequence, include_headers: bool, topic: Optional[str] = None
-                    ) -> Tuple[pa.RecordBatch, Acquired]:
+def to_record_batch(msgs: Sequence, include_headers: bool, topic: str | None = None
+                    ) -> tuple[pa.RecordBatch, Acquired]:
     """Convert one poll's messages (none carrying an error) to a RecordBatch, and list the offsets
     acquired. One pass of C-level accessor calls per field, then NumPy; no Python loop per message
     (headers aside)."""
@@ -70,8 +70,8 @@ def to_record_batch(msgs: Sequence, include_headers: bool, topic: Optional[str] 
             gc.enable()
 
 
-def _convert(msgs: Sequence, n: int, schema: pa.Schema, include_headers: bool, topic: Optional[str]
-             ) -> Tuple[pa.RecordBatch, Acquired]:
+def _convert(msgs: Sequence, n: int, schema: pa.Schema, include_headers: bool, topic: str | None
+             ) -> tuple[pa.RecordBatch, Acquired]:
     import numpy as np
 
     m = type(msgs[0])  # confluent_kafka.Message: its unbound methods map faster than a comprehension
@@ -108,7 +108,7 @@ def _from_numpy(values, type_: pa.DataType, valid=None) -> pa.Array:
     return pa.Array.from_buffers(type_, len(values), [bitmap, pa.py_buffer(np.ascontiguousarray(values))])
 
 
-def _delivery_counts(counts: List) -> pa.Array:
+def _delivery_counts(counts: list) -> pa.Array:
     """Always set on records a share consumer fetched; null where a client left it out."""
     import numpy as np
 
@@ -118,7 +118,7 @@ def _delivery_counts(counts: List) -> pa.Array:
         return pa.array(counts, pa.int32())
 
 
-def _runs(topic_names: List[str], parts, offsets) -> Acquired:
+def _runs(topic_names: list[str], parts, offsets) -> Acquired:
     """The acquired offsets per (topic, partition), as sorted [first, last] runs: compact and exact.
 
     A fetch returns each partition's records in offset order, one stretch per partition: the runs
@@ -178,6 +178,6 @@ def to_ipc(batch: pa.RecordBatch) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-def from_ipc(blob: bytes) -> List[pa.RecordBatch]:
+def from_ipc(blob: bytes) -> list[pa.RecordBatch]:
     reader = pa.ipc.open_stream(pa.py_buffer(blob))
     return [b for b in reader]

@@ -15,16 +15,16 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any
 
 from . import records
+from .batches import ACCEPT, REJECT, RELEASE, AckOutcome
 
 log = logging.getLogger("spark_share.session")
 
-ACCEPT, RELEASE, REJECT = 1, 2, 3
-VERDICT_NAMES = {ACCEPT: "accepted", RELEASE: "released", REJECT: "rejected"}
 POLL_SLICE_S = 0.05  # how often an empty poll looks at the fetch state
 STATS_INTERVAL_MS = "100"  # how often librdkafka reports the group and fetch state an empty poll ends on
 ERR_INVALID_RECORD_STATE = 121  # the lock expired (or the record is no longer acquired by us)
@@ -39,32 +39,7 @@ class Holding:
     acquired_at: float  # time.time() of the poll's return; the broker's lock clock started earlier
 
 
-@dataclass
-class AckOutcome:
-    accepted: int = 0
-    released: int = 0
-    rejected: int = 0
-    expired: int = 0
-    failed: int = 0
-    errors: Dict[str, int] = field(default_factory=dict)  # error name/code -> records
-
-    def add(self, other: "AckOutcome") -> None:
-        for k in ("accepted", "released", "rejected", "expired", "failed"):
-            setattr(self, k, getattr(self, k) + getattr(other, k))
-        for k, v in other.errors.items():
-            self.errors[k] = self.errors.get(k, 0) + v
-
-    def as_dict(self) -> dict:
-        return {"accepted": self.accepted, "released": self.released, "rejected": self.rejected,
-                "expired": self.expired, "failed": self.failed, "errors": dict(self.errors)}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "AckOutcome":
-        return cls(**{k: d.get(k, 0) for k in ("accepted", "released", "rejected", "expired", "failed")},
-                   errors=dict(d.get("errors", {})))
-
-
-def _error_code(exc) -> Tuple[int, str]:
+def _error_code(exc) -> tuple[int, str]:
     """(code, "NAME(code)") of a KafkaException; the label is what counts and logs show."""
     err = exc.args[0] if getattr(exc, "args", None) else None
     if err is not None and hasattr(err, "code"):
@@ -75,27 +50,27 @@ def _error_code(exc) -> Tuple[int, str]:
 class ShareSession:
     """A share consumer with its own thread. Methods return Futures."""
 
-    def __init__(self, session_id: str, conf: Dict[str, str], topics: List[str], include_headers: bool,
+    def __init__(self, session_id: str, conf: dict[str, str], topics: list[str], include_headers: bool,
                  scrub: Callable[[str], str] = lambda s: s):
         from confluent_kafka import ShareConsumer
 
         self.session_id = session_id
         self.include_headers = include_headers
         self._only_topic = topics[0] if len(topics) == 1 else None
-        self.holding: Optional[Holding] = None
+        self.holding: Holding | None = None
         self.polls = 0
         self.created_at = time.monotonic()
         self._scrub = scrub
-        self._queue: "queue.Queue[Optional[Tuple[Callable, Future]]]" = queue.Queue()
+        self._queue: queue.Queue[tuple[Callable, Future] | None] = queue.Queue()
         self._closed = False
         self.max_poll_records = int(conf.get("max.poll.records", 500))
-        self._stats: Tuple[float, str] = (0.0, "")  # (when, text) of librdkafka's latest statistics
+        self._stats: tuple[float, str] = (0.0, "")  # (when, text) of librdkafka's latest statistics
         self._acks_queued = 0
         self._acks_lock = threading.Lock()
-        conf = dict(conf)
-        conf.setdefault("statistics.interval.ms", STATS_INTERVAL_MS)
-        conf["stats_cb"] = self._on_stats
-        self.consumer = ShareConsumer(conf)
+        client_conf: dict[str, Any] = dict(conf)
+        client_conf.setdefault("statistics.interval.ms", STATS_INTERVAL_MS)
+        client_conf["stats_cb"] = self._on_stats
+        self.consumer = ShareConsumer(client_conf)
         try:
             self.consumer.subscribe(list(topics))
         except Exception:
@@ -114,7 +89,7 @@ class ShareSession:
         # Served inside poll(); parsed only when an empty poll looks at it.
         self._stats = (time.monotonic(), text)
 
-    def _fetch_state(self, since: float) -> Optional[Tuple[bool, Dict[str, int]]]:
+    def _fetch_state(self, since: float) -> tuple[bool, dict[str, int]] | None:
         """(joined with partitions, ShareFetch requests sent per broker) from statistics taken after
         ``since`` (a time.monotonic(); librdkafka stamps them on the same clock, in microseconds:
         they may be served well after they were taken); None when there are none yet."""
@@ -158,13 +133,13 @@ class ShareSession:
                 fut.set_exception(e)
 
     # commands ---------------------------------------------------------------------------
-    def poll(self, batch: int, slot: int, max_records: Optional[int], timeout_ms: int) -> Future:
+    def poll(self, batch: int, slot: int, max_records: int | None, timeout_ms: int) -> Future:
         """Acquire one poll for (batch, slot). Result: (RecordBatch, Holding). Returns as soon as
         records arrive; empty once a fetch sent after the poll began came back without any (the
         queue has nothing for this consumer now), or after ``timeout_ms``."""
         return self._submit(lambda: self._poll(batch, slot, max_records, timeout_ms))
 
-    def acknowledge(self, verdicts: Dict[Tuple[str, int, int], int], timeout_s: float) -> Future:
+    def acknowledge(self, verdicts: dict[tuple[str, int, int], int], timeout_s: float) -> Future:
         """Acknowledge everything held: ACCEPT unless ``verdicts`` says otherwise. Result: AckOutcome."""
         return self._submit_ack(lambda: self._acknowledge(verdicts, ACCEPT, timeout_s))
 
@@ -191,7 +166,7 @@ class ShareSession:
         return fut
 
     # on the session thread ----------------------------------------------------------------
-    def _drained(self, started: float, base: Dict[str, int]) -> bool:
+    def _drained(self, started: float, base: dict[str, int]) -> bool:
         """Has every broker this consumer fetches from answered a fetch sent after the poll began?
         ``base`` holds the first counts seen after it began. A consumer in the group with no
         partitions (more consumers than partitions on a broker that does not share them) has
@@ -217,7 +192,7 @@ class ShareSession:
         self.polls += 1
         started = time.monotonic()
         deadline = started + timeout_ms / 1000.0
-        base: Dict[str, int] = {}
+        base: dict[str, int] = {}
         msgs: list = []
         while True:
             left = max(0.0, deadline - time.monotonic())
@@ -251,7 +226,7 @@ class ShareSession:
         h = self.holding
         if h is None:
             return out
-        per_tp: Dict[Tuple[str, int], Dict[int, int]] = {}
+        per_tp: dict[tuple[str, int], dict[int, int]] = {}
         c = self.consumer
         ack = c.acknowledge_offset
         for topic, parts in h.acquired.items():
@@ -280,9 +255,9 @@ class ShareSession:
                         self.session_id, self._scrub(str(e)), n)
             return out
         failed_tps = {}
-        for tp, err in (result or {}).items():
+        for topic_partition, err in (result or {}).items():
             if err is not None:
-                failed_tps[(tp.topic, tp.partition)] = _error_code(err)
+                failed_tps[(topic_partition.topic, topic_partition.partition)] = _error_code(err)
         for tp, counts in per_tp.items():
             n = sum(counts.values())
             if tp in failed_tps:

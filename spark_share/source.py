@@ -12,7 +12,32 @@ from .records import spark_schema
 
 
 class KafkaShareDataSource(DataSource):
-    """``spark.readStream.format("kafka-share")``: Kafka share groups (KIP-932) as a stream."""
+    """``spark.readStream.format("kafka-share")``: Kafka share groups (KIP-932) as a stream.
+
+    Each row is one record a share consumer acquired; it is acknowledged (ACCEPT, or the verdict
+    given with :func:`spark_share.reject` / :func:`spark_share.release`) only once Spark has
+    committed the batch, so a failure before the commit redelivers it.
+
+    Parameters
+    ----------
+    options : dict
+        ``kafka.bootstrap.servers``, ``kafka.group.id`` and ``subscribe`` are required; any other
+        ``kafka.*`` option goes to the share consumer; the source's own options (``numPartitions``,
+        ``maxRecordsPerTrigger``, ``deadLetterTopic``, ...) are listed in the README. A bad option
+        raises :class:`spark_share.OptionError` naming it.
+
+    Examples
+    --------
+    >>> import spark_share
+    >>> spark_share.register(spark)  # doctest: +SKIP
+    >>> q = (spark.readStream.format("kafka-share")  # doctest: +SKIP
+    ...      .option("kafka.bootstrap.servers", "localhost:9092")
+    ...      .option("kafka.group.id", "orders-app")
+    ...      .option("subscribe", "orders")
+    ...      .load()
+    ...      .writeStream.format("parquet").option("path", "/data/orders")
+    ...      .option("checkpointLocation", "/chk/orders").trigger(availableNow=True).start())
+    """
 
     @classmethod
     def name(cls) -> str:

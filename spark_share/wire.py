@@ -18,8 +18,10 @@ import secrets
 import socket
 import struct
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Dict, Optional, Tuple
+
+from .errors import WIRE_ERRORS, AuthError, RemoteError, SparkShareError
 
 log = logging.getLogger("spark_share.wire")
 
@@ -31,12 +33,7 @@ MAX_BLOB = 4 << 30
 HANDSHAKE_TIMEOUT = 10.0
 
 
-class AuthError(ConnectionError):
-    """The peer did not prove knowledge of the per-query secret."""
-
-
-class RemoteError(RuntimeError):
-    """The peer handled our request and answered with an error."""
+__all__ = ["AuthError", "RemoteError", "RpcConnection", "RpcServer", "connect", "new_secret"]
 
 
 def new_secret() -> str:
@@ -90,7 +87,7 @@ def client_handshake(sock: socket.socket, secret: str) -> None:
     sock.settimeout(None)
 
 
-def send_frame(sock: socket.socket, header: dict, blob: bytes = b"", lock: Optional[threading.Lock] = None) -> None:
+def send_frame(sock: socket.socket, header: dict, blob: bytes = b"", lock: threading.Lock | None = None) -> None:
     h = json.dumps(header, separators=(",", ":")).encode()
     prefix = _FRAME.pack(len(h), len(blob))
     if lock is not None:
@@ -104,7 +101,7 @@ def send_frame(sock: socket.socket, header: dict, blob: bytes = b"", lock: Optio
             sock.sendall(blob)
 
 
-def recv_frame(sock: socket.socket) -> Tuple[dict, bytes]:
+def recv_frame(sock: socket.socket) -> tuple[dict, bytes]:
     hl, bl = _FRAME.unpack(_recv_exact(sock, _FRAME.size))
     if hl > MAX_HEADER or bl > MAX_BLOB:
         raise ConnectionError(f"oversized frame ({hl} + {bl} bytes)")
@@ -115,7 +112,7 @@ def recv_frame(sock: socket.socket) -> Tuple[dict, bytes]:
     return header, blob
 
 
-Handler = Callable[["RpcConnection", dict, bytes], Tuple[dict, bytes]]
+Handler = Callable[["RpcConnection", dict, bytes], tuple[dict, bytes]]
 
 
 class RpcConnection:
@@ -125,8 +122,8 @@ class RpcConnection:
     ``on_close`` runs once when the connection ends, whoever ended it.
     """
 
-    def __init__(self, sock: socket.socket, handler: Optional[Handler] = None,
-                 on_close: Optional[Callable[["RpcConnection"], None]] = None, name: str = "rpc",
+    def __init__(self, sock: socket.socket, handler: Handler | None = None,
+                 on_close: Callable[[RpcConnection], None] | None = None, name: str = "rpc",
                  workers: int = 4, scrub: Callable[[str], str] = lambda s: s):
         self.sock = sock
         self.name = name
@@ -134,7 +131,7 @@ class RpcConnection:
         self._scrub = scrub
         self._on_close = on_close
         self._send_lock = threading.Lock()
-        self._pending: Dict[int, Future] = {}
+        self._pending: dict[int, Future] = {}
         self._ids = 0
         self._ids_lock = threading.Lock()
         self._closed = threading.Event()
@@ -165,7 +162,7 @@ class RpcConnection:
             self.close()
         return fut
 
-    def call(self, header: dict, blob: bytes = b"", timeout: Optional[float] = None) -> Tuple[dict, bytes]:
+    def call(self, header: dict, blob: bytes = b"", timeout: float | None = None) -> tuple[dict, bytes]:
         return self.call_async(header, blob).result(timeout)
 
     def _read_loop(self) -> None:
@@ -179,7 +176,10 @@ class RpcConnection:
                     if fut is None:
                         continue
                     if "_error" in header:
-                        fut.set_exception(RemoteError(header["_error"]))
+                        # Our own error kinds come back as themselves (``except BatchRefused`` works across
+                        # processes); anything else as RemoteError("Type: message").
+                        cls = WIRE_ERRORS.get(header.get("_type", ""), RemoteError)
+                        fut.set_exception(cls(header["_error"]))
                     else:
                         fut.set_result((header, blob))
                 elif kind == "req" and self._pool is not None:
@@ -191,11 +191,15 @@ class RpcConnection:
 
     def _handle(self, rid, header, blob) -> None:
         try:
+            assert self._handler is not None  # requests are only handled on connections that have one
             rep, rblob = self._handler(self, header, blob)
             rep = dict(rep or {})
         except Exception as e:  # the peer gets the message, scrubbed: client errors may quote configs
             log.debug("%s: handler failed for %s", self.name, header.get("op"), exc_info=True)
-            rep, rblob = {"_error": self._scrub(f"{type(e).__name__}: {e}")}, b""
+            if isinstance(e, SparkShareError) and type(e).__name__ in WIRE_ERRORS:
+                rep, rblob = {"_error": self._scrub(str(e)), "_type": type(e).__name__}, b""
+            else:
+                rep, rblob = {"_error": self._scrub(f"{type(e).__name__}: {e}")}, b""
         try:
             send_frame(self.sock, dict(rep, _id=rid, _kind="rep"), rblob, self._send_lock)
         except OSError:
@@ -225,11 +229,11 @@ class RpcConnection:
             except Exception:
                 log.debug("on_close failed", exc_info=True)
 
-    def wait_closed(self, timeout: Optional[float] = None) -> bool:
+    def wait_closed(self, timeout: float | None = None) -> bool:
         return self._closed.wait(timeout)
 
 
-def connect(address, secret: str, handler: Optional[Handler] = None, timeout: float = 10.0,
+def connect(address, secret: str, handler: Handler | None = None, timeout: float = 10.0,
             name: str = "rpc", on_close=None, scrub: Callable[[str], str] = lambda s: s) -> RpcConnection:
     """Connect to a TCP (host, port) or Unix socket path, authenticate, return the connection."""
     if isinstance(address, str):

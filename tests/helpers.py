@@ -9,7 +9,7 @@ import ctypes
 import itertools
 import json
 import time
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from collections.abc import Iterable, Sequence
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.05, message: str = "condition not met"):
@@ -35,7 +35,7 @@ class ProducerPool:
     broker could otherwise reconnect to a later test's broker that reuses the port)."""
 
     def __init__(self):
-        self._producers: Dict[str, object] = {}
+        self._producers: dict[str, object] = {}
         self._ids = itertools.count()
 
     def producer(self, kafka):
@@ -47,8 +47,8 @@ class ProducerPool:
             p = self._producers[bootstrap] = Producer({"bootstrap.servers": bootstrap, "linger.ms": 2, "log_level": 2})
         return p
 
-    def produce(self, kafka, topic: str, values_or_count: Union[int, Iterable], partitions: Optional[int] = None,
-                timeout: float = 30.0) -> List[int]:
+    def produce(self, kafka, topic: str, values_or_count: int | Iterable, partitions: int | None = None,
+                timeout: float = 30.0) -> list[int]:
         """Produce records with ids unique within the test: value = JSON with an ``id`` field,
         key = the id. ``values_or_count`` is a count or an iterable of values (dicts get an ``id``
         unless they have one; anything else is stored under ``value``). ``partitions=N`` spreads
@@ -126,7 +126,7 @@ class ShareGroups:
         assert mc, "the embedded broker is closed"
         return mc
 
-    def members(self, group: str) -> List[str]:
+    def members(self, group: str) -> list[str]:
         """Member ids of ``group`` ([] if the group does not exist yet)."""
         arr = ctypes.POINTER(ctypes.c_char_p)()
         n = ctypes.c_size_t()
@@ -142,7 +142,7 @@ class ShareGroups:
             self.lib.rd_kafka_mem_free(None, ctypes.cast(arr, ctypes.c_void_p))
         return out
 
-    def assign(self, group: str, assignment: Dict[str, Sequence[Tuple[str, int]]]) -> None:
+    def assign(self, group: str, assignment: dict[str, Sequence[tuple[str, int]]]) -> None:
         """Give each member id exactly the (topic, partition)s listed (freezes the group's assignment)."""
         ids = list(assignment)
         lists = []

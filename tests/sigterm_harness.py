@@ -22,6 +22,7 @@ import threading
 
 os.environ["SPARK_SHARE_FORCE_SIGTERM"] = "1"  # the runner's SIGTERM handling, outside the runner
 
+from spark_share.acks import Acknowledger  # noqa: E402
 from spark_share.options import parse_options  # noqa: E402
 from spark_share.reader import ShareStreamReader  # noqa: E402
 from spark_share.tracker import Tracker  # noqa: E402
@@ -73,13 +74,13 @@ def main() -> None:
 
             Tracker._prefetch = held_prefetch
         elif phase == "acknowledging":
-            finish = Tracker._finish_ack
+            collect = Acknowledger._collect
 
-            def held_finish(self, *args):
+            def held_collect(self, *args):
                 hold(phase)
-                return finish(self, *args)
+                return collect(self, *args)
 
-            Tracker._finish_ack = held_finish
+            Acknowledger._collect = held_collect
         else:
             raise SystemExit(f"unknown phase {phase!r}")
         reader.latestOffset(end, None)

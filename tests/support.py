@@ -9,8 +9,8 @@ import signal
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional
 
 import psutil
 from confluent_kafka import AcknowledgeType, Producer, ShareConsumer
@@ -31,10 +31,10 @@ class Workload:
             kafka.create_topic(topic, partitions)
         self.producer = Producer({"bootstrap.servers": kafka.bootstrap_servers, "linger.ms": 5,
                                   "log_level": 2})  # quiet after the broker is gone: callbacks may outlive tests
-        self.ids: List[int] = []
+        self.ids: list[int] = []
         self._next = 0
 
-    def produce(self, n: int, value_fn=None) -> List[int]:
+    def produce(self, n: int, value_fn=None) -> list[int]:
         new = list(range(self._next, self._next + n))
         for i in new:
             value = value_fn(i) if value_fn else json.dumps({"id": i, "payload": "x" * 20}).encode()
@@ -46,7 +46,7 @@ class Workload:
         return new
 
 
-def ids_of(rows: Iterable) -> List[int]:
+def ids_of(rows: Iterable) -> list[int]:
     return [json.loads(bytes(r["value"]))["id"] for r in rows]
 
 
@@ -56,7 +56,7 @@ class NoLossReport:
     delivered: int
     duplicates: int
     lost: int
-    lost_ids: List[int] = field(default_factory=list)
+    lost_ids: list[int] = field(default_factory=list)
     reason: str = ""
 
     def __str__(self):
@@ -85,8 +85,8 @@ class BatchCollector:
     """A foreachBatch function that keeps every row it saw, per batch, in this (the driver) process."""
 
     def __init__(self, fail_batches: Iterable[int] = (), after=None):
-        self.rows: List = []
-        self.batches: Dict[int, List] = {}
+        self.rows: list = []
+        self.batches: dict[int, list] = {}
         self.fail_batches = set(fail_batches)
         self.after = after
         self.lock = threading.Lock()
@@ -103,7 +103,7 @@ class BatchCollector:
             raise RuntimeError(f"injected failure after writing batch {batch_id}")
 
     @property
-    def ids(self) -> List[int]:
+    def ids(self) -> list[int]:
         with self.lock:
             return ids_of(self.rows)
 
@@ -112,8 +112,8 @@ class BatchCollector:
         return set(ids) <= set(self.ids)
 
 
-def drain_share_group(bootstrap: str, group: str, topics: List[str], timeout: float,
-                      ack=AcknowledgeType.ACCEPT, until: Optional[int] = None, **config) -> List:
+def drain_share_group(bootstrap: str, group: str, topics: list[str], timeout: float,
+                      ack=AcknowledgeType.ACCEPT, until: int | None = None, **config) -> list:
     """Consume what a share group hands out within ``timeout`` s (or until ``until`` records);
     ``config``: more consumer configs, dots as underscores (``max_poll_records=100``)."""
     c = ShareConsumer({"bootstrap.servers": bootstrap, "group.id": group, "share.acknowledgement.mode": "explicit",
@@ -135,7 +135,7 @@ def drain_share_group(bootstrap: str, group: str, topics: List[str], timeout: fl
     return got
 
 
-def agent_processes(tracker_id: Optional[str] = None) -> List[psutil.Process]:
+def agent_processes(tracker_id: str | None = None) -> list[psutil.Process]:
     """Live spark-share agents (optionally of one tracker) on this machine."""
     out = []
     for p in psutil.process_iter(["cmdline", "status"]):
@@ -152,14 +152,14 @@ def agent_processes(tracker_id: Optional[str] = None) -> List[psutil.Process]:
     return out
 
 
-def batch_agents(df) -> List[psutil.Process]:
+def batch_agents(df) -> list[psutil.Process]:
     """The agents of the query whose batch ``df`` is (called inside foreachBatch): other tests'
     agents may still be shutting down."""
     qid = df.sparkSession.sparkContext.getLocalProperty("sql.streaming.queryId")
     return agent_processes(registry(qid)["tracker_id"])
 
 
-def _agent_tracker(p) -> Optional[str]:
+def _agent_tracker(p) -> str | None:
     try:
         for f in p.open_files():
             name = os.path.basename(f.path)
@@ -170,12 +170,12 @@ def _agent_tracker(p) -> Optional[str]:
     return None
 
 
-def our_processes() -> List[psutil.Process]:
+def our_processes() -> list[psutil.Process]:
     """Processes this test run started (the Spark JVM and what it forked), never another program's."""
     return psutil.Process().children(recursive=True)
 
 
-def python_workers() -> List[psutil.Process]:
+def python_workers() -> list[psutil.Process]:
     """PySpark Python workers forked by this run's pyspark.daemon (not the daemon itself)."""
     out = []
     for p in our_processes():
@@ -187,7 +187,7 @@ def python_workers() -> List[psutil.Process]:
     return out
 
 
-def runner_processes() -> List[psutil.Process]:
+def runner_processes() -> list[psutil.Process]:
     """This run's python_streaming_source_runner processes (the trackers live there)."""
     out = []
     for p in our_processes():
@@ -201,7 +201,7 @@ def runner_processes() -> List[psutil.Process]:
 
 def tracker_log(q) -> str:
     """The log of the tracker that served query ``q`` (logs of other runs are left alone)."""
-    from spark_share.agent import runtime_dir
+    from spark_share.runtime import runtime_dir
 
     for path in glob.glob(os.path.join(runtime_dir(), "tracker-*.log")):
         text = open(path).read()
@@ -232,8 +232,8 @@ def kill(procs: Iterable[psutil.Process], timeout: float = 15.0) -> int:
     return len(sent)
 
 
-def registry(query_id: str) -> Optional[dict]:
-    from spark_share.agent import runtime_dir
+def registry(query_id: str) -> dict | None:
+    from spark_share.runtime import runtime_dir
 
     try:
         with open(os.path.join(runtime_dir(), f"query-{query_id}.json")) as f:

@@ -1,10 +1,9 @@
 """How the agent polls: every share session once per batch, and no drained one holding a batch up."""
 from __future__ import annotations
 
-import threading
 import time
 
-from spark_share.agent import Agent
+from spark_share.pool import SessionPool
 from spark_share.session import ShareSession
 
 
@@ -16,11 +15,9 @@ class FakeSession:
 
 
 def agent_with(sessions):
-    a = Agent.__new__(Agent)  # the selection logic only; no tracker, no broker
-    a.agent_id = "test"
-    a._lock, a._resize_lock = threading.Lock(), threading.Lock()
-    a._sessions, a._reserved, a._last_taken, a._prefetched = list(sessions), set(), {}, {}
-    return a
+    pool = SessionPool(new_session=lambda max_poll_records: FakeSession(len(pool.sessions)), name="test")
+    pool.sessions = list(sessions)
+    return pool
 
 
 def test_every_session_is_polled_once_per_batch_before_any_is_reused():
@@ -30,9 +27,9 @@ def test_every_session_is_polled_once_per_batch_before_any_is_reused():
         # Two task slots at a time, as local[2]; empty polls hand their session back at once.
         seen = []
         for slot in range(4):
-            s, _ = a._take_session(batch, None)
+            s, _ = a.take(batch, None)
             seen.append(s.session_id)
-            a._give_back(s)
+            a.give_back(s)
         assert sorted(seen) == ["s0", "s1", "s2", "s3"], f"batch {batch} polled {seen}"
 
 
@@ -40,19 +37,19 @@ def test_busy_and_reserved_sessions_are_skipped():
     sessions = [FakeSession(i) for i in range(3)]
     a = agent_with(sessions)
     sessions[0].busy = True
-    first, _ = a._take_session(0, None)
-    second, _ = a._take_session(0, None)
+    first, _ = a.take(0, None)
+    second, _ = a.take(0, None)
     assert {first.session_id, second.session_id} == {"s1", "s2"}
-    a._give_back(first)
+    a.give_back(first)
     # Only a session already used in this batch is free: it is reused rather than a new one started.
-    assert a._take_session(0, None)[0] is first
+    assert a.take(0, None)[0] is first
 
 
 def test_polls_end_when_a_fetch_comes_back_empty_and_not_while_one_is_on_its_way(kafka, produce):
     """A poll on an empty queue returns once a fetch sent after it began came back empty (the first
     one also waits for the group join), long before its timeout; a poll on a queue with records
     returns them rather than giving up."""
-    from spark_share.agent import FIRST_POLL_MIN_MS
+    from spark_share.pool import FIRST_POLL_MIN_MS
 
     kafka.create_topic("empty", 1)
     kafka.create_topic("full", 1)

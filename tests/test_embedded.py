@@ -274,7 +274,7 @@ def test_two_consumer_processes_split_a_topic(kafka, produce):
     groups = ShareGroups(kafka)
     procs = [subprocess.Popen([sys.executable, "-c", CONSUMER_SCRIPT, kafka.bootstrap_servers],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(2)]
-    lines: "queue.Queue" = queue.Queue()
+    lines: queue.Queue = queue.Queue()
     try:
         for i, pr in enumerate(procs):
             threading.Thread(target=lambda i=i, pr=pr: [lines.put((i, ln)) for ln in pr.stdout], daemon=True).start()

@@ -17,10 +17,23 @@ import psutil
 import pytest
 
 import spark_share
-from spark_share.agent import runtime_dir
 from spark_share.embedded import EmbeddedKafka
-from support import (BatchCollector, Workload, agent_processes, batch_agents, check_no_loss, ids_of, kill,
-                     python_workers, read_stream, registry, runner_processes, tracker_log, wait_until)
+from spark_share.runtime import runtime_dir
+from support import (
+    BatchCollector,
+    Workload,
+    agent_processes,
+    batch_agents,
+    check_no_loss,
+    ids_of,
+    kill,
+    python_workers,
+    read_stream,
+    registry,
+    runner_processes,
+    tracker_log,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 

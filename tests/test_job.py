@@ -14,6 +14,8 @@ import pytest
 import spark_share
 from spark_share import job
 from spark_share.job import ConfigError, load_config, parse_config
+from spark_share.job.command import _find_config
+from spark_share.job.pipeline import _check_against_schema, _check_release_if
 from spark_share.options import is_secret
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -95,7 +97,7 @@ def _batch(spark, values):
 
 
 def _verdicts(spark, cfg, values):
-    schema = job._check_against_schema(spark, cfg)
+    schema = _check_against_schema(spark, cfg)
     got = job.classify(_batch(spark, values), cfg, schema).orderBy("offset").collect()
     return [r[job.VERDICT] for r in got], got
 
@@ -140,8 +142,8 @@ def test_required_fields_come_before_release(spark):
 def test_config_errors_found_by_spark_name_the_field(spark, change, needle):
     cfg = parse_config(dict(GOOD, **change))
     with pytest.raises(ConfigError, match=re.escape(needle)):
-        schema = job._check_against_schema(spark, cfg)
-        job._check_release_if(_batch(spark, []), cfg, schema)
+        schema = _check_against_schema(spark, cfg)
+        _check_release_if(_batch(spark, []), cfg, schema)
 
 
 # --- configs ----------------------------------------------------------------------------------------
@@ -298,7 +300,7 @@ def test_shipped_databricks_job(monkeypatch):
     assert py["parameters"][:2] == ["--config", "conf/databricks.json"]
     # The job file finds conf/ from jobs/ (a Python file task's working directory on Databricks).
     monkeypatch.chdir(os.path.join(ROOT, "jobs"))
-    assert job._find_config(py["parameters"][1], [ROOT]) == os.path.join(ROOT, "conf", "databricks.json")
+    assert _find_config(py["parameters"][1], [ROOT]) == os.path.join(ROOT, "conf", "databricks.json")
     (lib,) = task["libraries"]
     assert set(lib) == {"whl"} and lib["whl"].endswith(f"/spark_share-{spark_share.__version__}-py3-none-any.whl")
     (cluster,) = spec["job_clusters"]

@@ -39,7 +39,7 @@ def test_acquired_offsets_are_exact_sorted_runs_per_partition():
 
 
 def test_headers():
-    hs = [("h%d" % i, b"v%d" % i) for i in range(50)] + [("nullvalue", None)]
+    hs = [(f"h{i}", f"v{i}".encode()) for i in range(50)] + [("nullvalue", None)]
     msgs = [Msg("t", 0, 1, b"k", b"v", headers=hs), Msg("t", 0, 2, b"k", b"v", headers=None)]
     rb, acquired = records.to_record_batch(msgs, include_headers=True)
     assert rb.schema == records.ARROW_SCHEMA_HEADERS

@@ -21,12 +21,23 @@ from types import SimpleNamespace
 import pytest
 
 import spark_share
-from spark_share.agent import agent_socket_path
+from spark_share.batches import ACCEPT, REJECT
+from spark_share.errors import BatchRefused
 from spark_share.options import parse_options
-from spark_share.session import ACCEPT, REJECT
-from spark_share.tracker import AGENT_LOST, BatchRefused, Tracker
-from support import (BatchCollector, Workload, agent_processes, check_no_loss, drain_share_group, ids_of, read_stream,
-                     registry, wait_until)
+from spark_share.protocol import Acquired, Claim
+from spark_share.runtime import agent_socket_path
+from spark_share.tracker import AGENT_LOST, Tracker
+from support import (
+    BatchCollector,
+    Workload,
+    agent_processes,
+    check_no_loss,
+    drain_share_group,
+    ids_of,
+    read_stream,
+    registry,
+    wait_until,
+)
 
 HARNESS = os.path.join(os.path.dirname(__file__), "sigterm_harness.py")
 
@@ -72,8 +83,7 @@ def tracker(kafka, topic, **options) -> Tracker:
 
 
 def acquired(t: Tracker, agent, batch: int, slot: int, topic: str, partition: int, first: int, last: int) -> None:
-    t._acquired(agent, {"batch": batch, "slot": slot, "rows": last - first + 1,
-                        "offsets": {topic: {str(partition): [[first, last]]}}})
+    t._acquired(agent, Acquired(batch, slot, rows=last - first + 1, offsets={topic: {str(partition): [[first, last]]}}))
 
 
 # --- tracker: which reads may acquire, and what a lost agent means ------------------------------------
@@ -84,24 +94,24 @@ def test_reads_of_batches_this_run_cannot_serve_are_refused(kafka):
     try:
         assert t.batch_to_read(4) is None, "a batch an earlier run planned (a replay) must read nothing"
         with pytest.raises(BatchRefused, match="planned by an earlier run"):
-            t._claim(a1, {"batch": 4, "slot": 0})
+            t._claim(a1, Claim(4, 0))
         with pytest.raises(BatchRefused, match="never planned"):
-            t._claim(a1, {"batch": 9, "slot": 0})
+            t._claim(a1, Claim(9, 0))
         b = t.plan(5, None)
-        assert t.batch_to_read(5) is b and t._claim(a1, {"batch": 5, "slot": 0}) == {"owner": "a1"}
+        assert t.batch_to_read(5) is b and t._claim(a1, Claim(5, 0)) == {"owner": "a1"}
         acquired(t, a1, 5, 0, "refused", 0, 0, 9)
         t.batch_committed(5)
         assert b.state == "acked"
         with pytest.raises(BatchRefused, match="already committed"):
-            t._claim(a2, {"batch": 5, "slot": 0})
+            t._claim(a2, Claim(5, 0))
         with pytest.raises(BatchRefused, match="already committed"):
-            t._claim(a2, {"batch": 2, "slot": 0})  # older than anything kept: finished long ago
+            t._claim(a2, Claim(2, 0))  # older than anything kept: finished long ago
         assert t.total_acquired == 10
     finally:
         t.agents.clear()
         t.shutdown()
     with pytest.raises(BatchRefused, match="stopping"):
-        t._claim(a1, {"batch": 6, "slot": 0})
+        t._claim(a1, Claim(6, 0))
     assert t.plan(6, None) is None
 
 
@@ -114,12 +124,12 @@ def test_a_slot_whose_agent_is_lost_reads_nothing_new(kafka):
     t.agents.update(a1=a1, a2=a2, a3=a3)
     try:
         t.plan(0, None)
-        assert t._claim(a1, {"batch": 0, "slot": 0}) == {"owner": "a1"}
+        assert t._claim(a1, Claim(0, 0)) == {"owner": "a1"}
         acquired(t, a1, 0, 0, "lost", 0, 0, 4)
-        assert t._claim(a3, {"batch": 0, "slot": 1}) == {"owner": "a3"}
+        assert t._claim(a3, Claim(0, 1)) == {"owner": "a3"}
         del t.agents["a1"], t.agents["a3"]
-        assert t._claim(a2, {"batch": 0, "slot": 0}) == {"owner": None}
-        assert t._claim(a2, {"batch": 0, "slot": 1}) == {"owner": "a2"}
+        assert t._claim(a2, Claim(0, 0)) == {"owner": None}
+        assert t._claim(a2, Claim(0, 1)) == {"owner": "a2"}
         t.batch_committed(0)
         assert t.batches[0].outcome.failed == 5 and t.batches[0].outcome.errors == {AGENT_LOST: 5}
     finally:
@@ -173,7 +183,7 @@ class Lines:
     """The harness's stdout, line by line, read on a thread (select() cannot see lines already buffered)."""
 
     def __init__(self, proc):
-        self.queue: "queue.Queue[str]" = queue.Queue()
+        self.queue: queue.Queue[str] = queue.Queue()
         threading.Thread(target=lambda: [self.queue.put(line) for line in proc.stdout] + [self.queue.put("")],
                          daemon=True).start()
 

@@ -17,9 +17,22 @@ from pyspark.sql import functions as F
 
 import spark_share
 from spark_share import wire
-from spark_share.agent import agent_socket_path, checkpoint_note_path, runtime_dir
-from support import (BatchCollector, Workload, agent_processes, batch_agents, check_no_loss, drain_share_group, ids_of, kill,
-                     python_workers, read_stream, registry, tracker_log, wait_until)
+from spark_share.runtime import agent_socket_path, checkpoint_note_path, runtime_dir
+from support import (
+    BatchCollector,
+    Workload,
+    agent_processes,
+    batch_agents,
+    check_no_loss,
+    drain_share_group,
+    ids_of,
+    kill,
+    python_workers,
+    read_stream,
+    registry,
+    tracker_log,
+    wait_until,
+)
 
 
 def uid(prefix):
@@ -322,7 +335,9 @@ def test_available_now_waits_for_records_it_gave_back(kafka):
     from types import SimpleNamespace
 
     from spark_share.options import parse_options
-    from spark_share.tracker import AVAILABLE_NOW_EMPTY_RETRIES, Tracker
+    from spark_share.policy import AVAILABLE_NOW_EMPTY_RETRIES
+    from spark_share.protocol import Acquired
+    from spark_share.tracker import Tracker
 
     w = Workload(kafka, "given-back", partitions=1)
     w.produce(10)
@@ -344,8 +359,8 @@ def test_available_now_waits_for_records_it_gave_back(kafka):
         t.plan(n, None)
         verdict[n] = outcome
         if rows:
-            t._acquired(agent, {"batch": n, "slot": 0, "rows": rows, "redelivered": redelivered,
-                                "offsets": {"given-back": {"0": [[0, rows - 1]]}}})
+            t._acquired(agent, Acquired(n, 0, rows=rows, redelivered=redelivered,
+                                        offsets={"given-back": {"0": [[0, rows - 1]]}}))
         t.batch_committed(n)
         return t.should_run(n)
 
@@ -371,8 +386,9 @@ def test_stop_accepts_a_committed_batch_it_was_not_told_of(kafka, tmp_path):
     from concurrent.futures import Future
     from types import SimpleNamespace
 
+    from spark_share.batches import ACCEPT, RELEASE
     from spark_share.options import parse_options
-    from spark_share.session import ACCEPT, RELEASE
+    from spark_share.protocol import Acquired
     from spark_share.tracker import Tracker
 
     kafka.create_topic("stopping", 1)
@@ -403,7 +419,7 @@ def test_stop_accepts_a_committed_batch_it_was_not_told_of(kafka, tmp_path):
         for n, spark_batch in ((0, 4), (1, 5)):
             t.plan(n, None)
             t.batches[n].spark_batch = spark_batch
-            t._acquired(agent, {"batch": n, "slot": 0, "rows": 3, "offsets": {"stopping": {"0": [[3 * n, 3 * n + 2]]}}})
+            t._acquired(agent, Acquired(n, 0, rows=3, offsets={"stopping": {"0": [[3 * n, 3 * n + 2]]}}))
     finally:
         t.shutdown()
         os.unlink(checkpoint_note_path(query_id))

@@ -10,11 +10,21 @@ import psutil
 import pytest
 from chispa import assert_df_equality
 from confluent_kafka import Consumer
-from pyspark.sql import Row, functions as F
+from pyspark.sql import Row
+from pyspark.sql import functions as F
 
 import spark_share
-from spark_share.verdicts import VerdictError
-from support import (BatchCollector, Workload, batch_agents, check_no_loss, drain_share_group, read_stream, registry, wait_until)
+from spark_share.errors import VerdictError
+from support import (
+    BatchCollector,
+    Workload,
+    batch_agents,
+    check_no_loss,
+    drain_share_group,
+    read_stream,
+    registry,
+    wait_until,
+)
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,113 @@
+"""What the driver knows of one batch: its slots, who acquired which records, the verdicts on them,
+and how its acknowledgement went.
+
+Owns: ``BatchState`` and its life cycle (planned -> acking -> queued -> acked | released, or void),
+the acknowledgement kinds (ACCEPT, RELEASE, REJECT) and ``AckOutcome``, the broker's answer counted
+by kind. Must never: talk to a socket or to Kafka (it is plain data, shared by the tracker, the
+policy and the agents' reports).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+ACCEPT, RELEASE, REJECT = 1, 2, 3
+VERDICT_NAMES = {ACCEPT: "accepted", RELEASE: "released", REJECT: "rejected"}
+
+# planned: its read tasks may claim slots; acking: its acknowledgements are being sent; queued: they
+# are on the consumers, ahead of their next poll; acked / released: the broker answered. void: a
+# batch this run did not plan (Spark replays an earlier run's batch): it reads nothing.
+PLANNED, ACKING, QUEUED, ACKED, RELEASED, VOID = "planned", "acking", "queued", "acked", "released", "void"
+IN_FLIGHT = (PLANNED, ACKING, QUEUED)
+FINISHED = (ACKED, RELEASED, VOID)
+
+
+@dataclass
+class AckOutcome:
+    accepted: int = 0
+    released: int = 0
+    rejected: int = 0
+    expired: int = 0
+    failed: int = 0
+    errors: dict[str, int] = field(default_factory=dict)  # error name/code -> records
+
+    def add(self, other: AckOutcome) -> None:
+        for k in ("accepted", "released", "rejected", "expired", "failed"):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+        for k, v in other.errors.items():
+            self.errors[k] = self.errors.get(k, 0) + v
+
+    def as_dict(self) -> dict:
+        return {"accepted": self.accepted, "released": self.released, "rejected": self.rejected,
+                "expired": self.expired, "failed": self.failed, "errors": dict(self.errors)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> AckOutcome:
+        return cls(**{k: d.get(k, 0) for k in ("accepted", "released", "rejected", "expired", "failed")},
+                   errors=dict(d.get("errors", {})))
+
+
+@dataclass
+class BatchState:
+    batch: int
+    slots: int
+    max_records: int | None
+    planned_at: float = field(default_factory=time.time)
+    claims: dict[int, str] = field(default_factory=dict)         # slot -> agent id
+    acquired: dict[int, dict] = field(default_factory=dict)      # slot -> {agent, session, rows, offsets, acquired_at}
+    verdicts: dict[tuple[str, int, int], tuple[int, str | None]] = field(default_factory=dict)
+    spark_batch: int | None = None                            # Spark's batch id, learnt from the read tasks
+    state: str = PLANNED
+    committed_at: float | None = None
+    acked_at: float | None = None
+    outcome: AckOutcome = field(default_factory=AckOutcome)
+
+    @property
+    def rows(self) -> int:
+        return sum(a.get("rows", 0) for a in self.acquired.values())
+
+    def min_offsets(self) -> dict[tuple[str, int], int]:
+        """Lowest offset acquired per partition (offsets arrive as sorted [first, last] runs)."""
+        out: dict[tuple[str, int], int] = {}
+        for a in self.acquired.values():
+            for t, parts in a.get("offsets", {}).items():
+                for p, runs in parts.items():
+                    k = (t, int(p))
+                    out[k] = min(runs[0][0], out.get(k, runs[0][0]))
+        return out
+
+    def holder(self, topic: str, partition: int, offset: int) -> str | None:
+        """The agent that acquired this record in this batch, or None."""
+        for a in self.acquired.values():
+            for lo, hi in a.get("offsets", {}).get(topic, {}).get(str(partition), ()):
+                if lo <= offset <= hi:
+                    return a["agent"]
+        return None
+
+    def rows_held_by(self, agent_id: str) -> int:
+        return sum(a["rows"] for a in self.acquired.values() if a["agent"] == agent_id)
+
+    def held_ms(self) -> float | None:
+        """How long the batch held its records: from the first poll's return to its acknowledgement
+        (or now). The broker's lock clock started a little earlier."""
+        starts = [a["acquired_at"] for a in self.acquired.values() if a.get("rows") and a.get("acquired_at")]
+        if not starts:
+            return None
+        return round(((self.acked_at or time.time()) - min(starts)) * 1000, 1)
+
+    def summary(self) -> dict:
+        d = {"batch": self.batch, "acquired": self.rows, "state": self.state}
+        if self.spark_batch is not None and self.spark_batch != self.batch:
+            d["sparkBatch"] = self.spark_batch
+        if self.state == PLANNED:
+            d["polling"] = len(self.claims) - len(self.acquired)  # read tasks waiting for their poll
+        held = self.held_ms()
+        if held is not None:
+            d["holdMs"] = held
+        d.update({k: v for k, v in self.outcome.as_dict().items() if k != "errors"})
+        if self.outcome.errors:
+            d["errors"] = dict(self.outcome.errors)
+        if self.committed_at and self.acked_at:
+            d["ackLatencyMs"] = round((self.acked_at - self.committed_at) * 1000, 1)
+            d["ackedAt"] = round(self.acked_at, 3)
+        return d

@@ -1,0 +1,105 @@
+"""Finding or starting this host's agent, from a read task (a Python worker).
+
+Owns: connecting a read task to the agent of its query run on this host, and starting that agent
+when none runs: one spawner at a time (``.spawn`` lock), an agent's life marked by a lock it holds
+(``.alive``), its parameters and Kafka client configs handed over on a pipe.
+
+Must never: hold a consumer or any state beyond the call (Python workers come and go), pass a
+credential on a command line or a socket, or wait without a bound.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+
+from . import runtime, wire
+
+SPAWN_TIMEOUT_S = 60.0
+
+
+def ensure_agent(tracker_addr: tuple[str, int], tracker_id: str, secret: str, opts,
+                 timeout: float = 10.0) -> wire.RpcConnection:
+    """Connect to this host's agent for the tracker, starting it if it is not running.
+
+    The Kafka client configs (credentials included) reach a new agent from ``opts``, the options
+    Spark shipped with the read task, through a pipe: they never cross a socket of ours.
+
+    Two locks make this safe when Spark kills a worker half way: ``.spawn`` lets one read task at a
+    time decide to start an agent; ``.alive`` is taken by the spawner and handed to the agent (an
+    inherited file description), so it is held exactly as long as an agent lives, starting or not."""
+    path = runtime.agent_socket_path(tracker_id)
+    try:
+        return wire.connect(path, secret, timeout=timeout, name="task")
+    except (FileNotFoundError, ConnectionRefusedError):
+        pass
+    base = runtime.agent_base(tracker_id)
+    spawn_fd = os.open(base + ".spawn", os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(spawn_fd, fcntl.LOCK_EX)  # released if this worker dies
+        alive_fd = os.open(base + ".alive", os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(alive_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # an agent lives (maybe still starting): wait for its socket
+            os.close(alive_fd)
+            return _connect_when_ready(path, secret, timeout)
+        try:
+            if os.path.exists(path):
+                os.unlink(path)  # left by an agent that was killed
+            _spawn_agent(tracker_addr, tracker_id, secret, opts, alive_fd)
+        finally:
+            os.close(alive_fd)  # the agent keeps its own copy of the locked description
+        return wire.connect(path, secret, timeout=timeout, name="task")
+    finally:
+        os.close(spawn_fd)
+
+
+def _connect_when_ready(path: str, secret: str, timeout: float) -> wire.RpcConnection:
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    while True:
+        try:
+            return wire.connect(path, secret, timeout=timeout, name="task")
+        except (FileNotFoundError, ConnectionRefusedError):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the spark-share agent did not open {path} within {SPAWN_TIMEOUT_S:.0f} s") from None
+            time.sleep(0.05)  # bounded poll for a socket file; there is nothing to wait on
+
+
+def _spawn_agent(tracker_addr, tracker_id: str, secret: str, opts, alive_fd: int) -> None:
+    log_path = runtime.agent_log_path(tracker_id)
+    env = dict(os.environ)
+    # The worker may import this package from a path Spark added (--py-files, a zip); so must the agent.
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([pkg_parent] + [p for p in sys.path if p and os.path.exists(p)])
+    with open(log_path, "ab") as logf:
+        os.chmod(log_path, 0o600)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "spark_share.agent"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf,
+            close_fds=True, pass_fds=(alive_fd,), start_new_session=True, cwd=runtime.runtime_dir(), env=env)
+    assert proc.stdin is not None and proc.stdout is not None  # both are pipes
+    # Parameters travel on stdin, never on the command line (visible to every user in ps).
+    proc.stdin.write(json.dumps({"tracker": list(tracker_addr), "tracker_id": tracker_id, "secret": secret,
+                                 "consumer_config": opts.consumer_config(),
+                                 "producer_config": opts.producer_config() if opts.dead_letter_topic else {},
+                                 "secret_values": opts.secret_values()}).encode() + b"\n")
+    proc.stdin.close()
+    proc.wait(SPAWN_TIMEOUT_S)  # the intermediate process exits once the agent has forked away
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    line = b""
+    fd = proc.stdout.fileno()
+    while not line.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise TimeoutError(f"the spark-share agent did not start within {SPAWN_TIMEOUT_S:.0f} s; see {log_path}")
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        line += chunk
+    proc.stdout.close()
+    if not line.startswith(b"READY"):
+        raise RuntimeError(f"the spark-share agent failed to start: {line.decode(errors='replace').strip() or 'no output'}; see {log_path}")

@@ -1,0 +1,159 @@
+"""When a batch runs and how big it may be: the source's batch policy, in memory only.
+
+Owns: whether a batch after the last one is worth running (default and processingTime triggers: it
+brought records or gave some back, the high watermarks moved, or the idle probe is due; AvailableNow:
+until every record below the start's high watermarks was seen and nothing given back is still due),
+how many read slots a batch gets and how many records each may take (``maxRecordsPerTrigger``,
+halved per consumer whenever a batch outlived the record lock), and what it knows of the lock.
+
+Must never: touch a socket, Kafka or Spark, wait, or lock (the tracker calls it under its lock). It
+is a plain object so that it can be tested in milliseconds.
+"""
+from __future__ import annotations
+
+from .batches import BatchState
+
+AVAILABLE_NOW_EMPTY_RETRIES = 5
+# Kafka's default group.share.record.lock.duration.ms. The client cannot read the group's value, so
+# the policy assumes this until a lock expiry shows it is shorter.
+DEFAULT_LOCK_MS = 30_000
+LOCK_WARN_FRACTION = 0.8
+
+Partition = tuple[str, int]
+
+
+class BatchPolicy:
+    def __init__(self, num_slots: int, idle_probe_ms: int, max_records_per_trigger: int | None = None):
+        self.num_slots = num_slots
+        self.idle_probe_ms = idle_probe_ms
+        self.max_records_per_trigger = max_records_per_trigger
+        self.planned_any = False
+        self.last_plan_time = 0.0
+        self.last_plan_hw_version = -1
+        # The last batch brought nothing (default and processingTime triggers): only then do the
+        # watermarks decide whether a batch runs, so only then are they worth refreshing.
+        self.idle = False
+        self.available_now_target: dict[Partition, int] | None = None
+        self.max_seen: dict[Partition, int] = {}  # highest offset acquired per partition in this run
+        self.empty_streak = 0
+        # Records this AvailableNow run gave back (released, failed or expired acks) and has not seen
+        # again: an empty batch does not end the run while some are due (a few times, as above).
+        self.redeliveries_due = 0
+        # Set once an AvailableNow run has seen everything: one last batch without tasks acknowledges
+        # the previous one and reports the totals in its progress, without an empty poll.
+        self.closing = False
+        # Records per slot that fit in the record lock; lowered whenever a batch's locks expire.
+        self.lock_safe_records: int | None = None
+        self.lock_ms = float(DEFAULT_LOCK_MS)  # the record lock duration, as far as the source knows
+
+    # --- AvailableNow ------------------------------------------------------------------------------
+    def start_available_now(self, high_watermarks: dict[Partition, int]) -> None:
+        self.available_now_target = dict(high_watermarks)
+
+    def seen_all(self) -> bool:
+        """Has this AvailableNow run acquired every record below the start's high watermarks?"""
+        target = self.available_now_target or {}
+        return all(self.max_seen.get(tp, -1) >= hw - 1 for tp, hw in target.items() if hw > 0)
+
+    def needs_acknowledgements(self, last: BatchState | None) -> bool:
+        """Must the broker's answers to ``last``'s acknowledgements be in before deciding? In an
+        AvailableNow run that may end here, what they gave back decides."""
+        if self.available_now_target is None or not self.planned_any or self.closing:
+            return False
+        return not (last is not None and last.rows and not self.seen_all())
+
+    # --- should a batch run ------------------------------------------------------------------------
+    def should_run(self, last: BatchState | None, hw_version: int, now: float) -> bool:
+        """Is a batch after ``last`` (None: not known to this run) worth running? ``hw_version`` counts
+        the changes of the high watermarks; ``now`` is ``time.monotonic()``."""
+        if self.available_now_target is not None:
+            return self._available_now_goes_on(last)
+        if not self.planned_any:
+            return True
+        if last is not None and (last.rows or last.outcome.released or last.outcome.failed or last.outcome.expired):
+            self.idle = False
+            return True
+        self.idle = True
+        if hw_version != self.last_plan_hw_version:
+            return True
+        return now - self.last_plan_time >= self.idle_probe_ms / 1000.0
+
+    def _available_now_goes_on(self, last: BatchState | None) -> bool:
+        if not self.planned_any:
+            return True
+        if self.closing:
+            return False
+        target = self.available_now_target or {}
+        if last is None or last.rows == 0:
+            # An empty poll can be a slow broker, not an empty queue: go on (a few times) while a
+            # partition this run has been reading still has records below the start's watermark.
+            self.empty_streak += 1
+            behind = [tp for tp, seen in self.max_seen.items() if seen < target.get(tp, 0) - 1]
+            due = bool(behind) or self.redeliveries_due > 0
+            return due and self.empty_streak <= AVAILABLE_NOW_EMPTY_RETRIES
+        self.empty_streak = 0
+        # Stop at once when every record below the start's watermarks has been seen (saves the empty
+        # batch that would otherwise prove it), or once a batch brought only newer records.
+        if self.redeliveries_due == 0 and self.seen_all():
+            self.closing = True
+            return True
+        return any(lo < target.get(tp, 0) for tp, lo in last.min_offsets().items())
+
+    def planned(self, hw_version: int, now: float) -> None:
+        self.planned_any = True
+        self.last_plan_time = now
+        self.last_plan_hw_version = hw_version
+
+    # --- slots and budgets -------------------------------------------------------------------------
+    def slots_for(self, limit: int | None) -> int:
+        return self.num_slots if limit is None else max(1, min(self.num_slots, limit))
+
+    def slots_of_new_batch(self, limit: int | None) -> int:
+        """A closing AvailableNow run's last batch has no read tasks: it only acknowledges and reports."""
+        return 0 if self.closing else self.slots_for(limit)
+
+    def current_limit(self, latest: BatchState | None) -> int | None:
+        """The records-per-batch limit Spark asked for last (none under ReadAllAvailable): it sizes the
+        consumers' polls, so a poll never takes records the batch must give back."""
+        return latest.max_records if latest is not None else self.max_records_per_trigger
+
+    def poll_size(self, latest: BatchState | None) -> int | None:
+        """``max.poll.records`` for a new consumer, or None for the consumer config's own."""
+        limit = self.current_limit(latest)
+        return None if limit is None else max(1, limit // self.slots_for(limit))
+
+    def slot_budgets(self, b: BatchState) -> list[int | None]:
+        per_slot = None if b.max_records is None else max(1, b.max_records // max(1, b.slots))
+        if self.lock_safe_records is not None:
+            per_slot = self.lock_safe_records if per_slot is None else min(per_slot, self.lock_safe_records)
+        return [per_slot] * b.slots
+
+    # --- what the batches report -------------------------------------------------------------------
+    def acquired(self, offsets: dict[str, dict[str, list]], redelivered: int) -> None:
+        """A slot acquired these offset runs (``{topic: {partition: [[first, last], ...]}}``)."""
+        for t, parts in offsets.items():
+            for p, runs in parts.items():
+                k = (t, int(p))
+                self.max_seen[k] = max(runs[-1][1], self.max_seen.get(k, -1))
+        self.redeliveries_due = max(0, self.redeliveries_due - redelivered)
+
+    def acknowledged(self, b: BatchState) -> None:
+        """``b``'s acknowledgements are answered: count what comes back; shrink after lock expiry."""
+        o = b.outcome
+        if self.available_now_target is not None:
+            self.redeliveries_due += o.released + o.failed + o.expired
+        if o.expired:
+            # The batch outlived the record lock: halve what one consumer may take per batch.
+            held = b.held_ms()
+            if held is not None and held < self.lock_ms:
+                self.lock_ms = held  # the lock is shorter than this
+            biggest = max((a.get("rows", 0) for a in b.acquired.values()), default=1)
+            cap = max(1, biggest // 2)
+            if self.lock_safe_records is None or cap < self.lock_safe_records:
+                self.lock_safe_records = cap
+
+    def close_to_lock(self, held_ms: float | None) -> bool:
+        return held_ms is not None and held_ms > LOCK_WARN_FRACTION * self.lock_ms
+
+    def headroom_ms(self, held_ms: float | None) -> float | None:
+        return None if held_ms is None else round(self.lock_ms - held_ms, 1)

@@ -1,0 +1,154 @@
+"""The share sessions of one agent: which are free, which a read holds, which polled ahead.
+
+Owns: starting sessions (all a batch needs at once, so no member joins mid-batch), choosing the
+session a read of a batch polls with (every session once per batch before any is reused), polls
+started ahead of a batch's read tasks, and replacing sessions when the batch size is lowered.
+
+Must never: hand a read a session that still holds records no acknowledgement has been queued for
+(``busy``), or one another read holds.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+from typing import TYPE_CHECKING
+
+from . import records
+
+if TYPE_CHECKING:
+    from .session import ShareSession
+
+log = logging.getLogger("spark_share.agent")
+
+# A new share consumer must join the group before records flow (a heartbeat interval on a real
+# broker): its first poll may wait until it is this old, unless librdkafka reports earlier that it
+# joined and fetched (see ShareSession.poll), so an AvailableNow run does not end early.
+FIRST_POLL_MIN_MS = 5000
+JOIN_SETTLE_S = 1.0
+
+
+def poll_budget(session, poll_timeout_ms: int) -> int:
+    """How long a poll of ``session`` may wait: ``pollTimeoutMs``, longer for a new member's first."""
+    if session.polls:
+        return poll_timeout_ms
+    # A session's first poll may wait until it is FIRST_POLL_MIN_MS old (it joins meanwhile), or
+    # less once librdkafka reports it joined with partitions and fetched since.
+    age_ms = (time.monotonic() - session.created_at) * 1000
+    return max(poll_timeout_ms, int(FIRST_POLL_MIN_MS - age_ms))
+
+
+class SessionPool:
+    def __init__(self, new_session: Callable[[int | None], ShareSession], name: str = "agent"):
+        self._new = new_session  # a new session, joining the group (max.poll.records, or the config's)
+        self.name = name
+        self._lock = threading.Lock()
+        self._resize_lock = threading.Lock()
+        self.sessions: list[ShareSession] = []
+        self._reserved: set[ShareSession] = set()
+        self._prefetched: dict[ShareSession, Future] = {}  # session -> its poll that no read has claimed yet
+        self._last_taken: dict[str, tuple[int, float]] = {}  # session id -> (batch, when) of its last poll
+
+    def __len__(self) -> int:
+        return len(self.sessions)
+
+    def start(self, n: int, max_poll_records: int | None = None) -> None:
+        """Join the group with every session a batch needs before any of them acquires records.
+
+        A member joining later makes the group rebalance; the embedded broker ends the other
+        members' share sessions then and hands their acquired records out again (duplicates)."""
+        settled = time.monotonic() + JOIN_SETTLE_S
+        sessions = [self._new(max_poll_records) for _ in range(n)]
+        records.warm_up()  # meanwhile: the first conversion's one-time imports (pandas, through pyarrow)
+        time.sleep(max(0.0, settled - time.monotonic()))
+        with self._lock:
+            self.sessions.extend(sessions)
+        log.info("%s: %d share sessions (max.poll.records %s) joined the group", self.name, n,
+                 sessions[0].max_poll_records if sessions else "-")
+
+    def take(self, batch: int, max_records: int | None) -> tuple[ShareSession, Future | None]:
+        """Reserve a session for a read of ``batch``: (session, its prefetched poll or None).
+
+        A session that polled ahead for this batch (``prefetch``) comes first; otherwise a free
+        session whose polls are no bigger than ``max_records``.
+
+        Sessions not yet polled in this batch come first, then the longest unpolled: the broker
+        gives each member its own partitions, so a session that is never polled leaves its
+        partitions unread (an empty poll frees a session at once, and reusing it for the next slot
+        starved the others and ended AvailableNow runs early).
+
+        When the tracker lowers the batch size (after lock expiry), every free session is replaced
+        by one with a smaller max.poll.records, all at once: trimming a bigger poll would mean
+        releasing the excess, and every release counts as a delivery."""
+        with self._resize_lock:
+            with self._lock:
+                free = self._free()
+                if max_records is not None and any(s.max_poll_records > max_records for s in free):
+                    for s in free:
+                        self.sessions.remove(s)
+                        self._last_taken.pop(s.session_id, None)
+                    stale = free
+                    free = []
+                else:
+                    stale = []
+            if stale:
+                wait_futures([s.close() for s in stale], timeout=30)
+                self.start(len(stale), max_records)
+                log.info("%s: batch size lowered: polls now take at most %d records", self.name, max_records)
+            with self._lock:
+                fits = [s for s in self._prefetched if s not in self._reserved] + self._free(max_records)
+                if fits:
+                    s = min(fits, key=lambda s: (s not in self._prefetched, self._poll_order(s, batch)))
+                    self._reserve(s, batch)
+                    return s, self._prefetched.pop(s, None)
+        s = self._new(max_records)
+        with self._lock:
+            self.sessions.append(s)
+            self._reserve(s, batch)
+        log.info("%s: started share session %s", self.name, s.session_id)
+        return s, None
+
+    def prefetch(self, batch: int, count: int, max_records: int | None, poll_timeout_ms: int) -> int:
+        """Start the polls of ``batch`` on up to ``count`` free sessions now, while Spark still
+        writes its offsets and schedules the read tasks: the reads then find them done or under
+        way. A poll no read of this batch claims is claimed by the next one (its records stay
+        held until then, and are released if the query stops)."""
+        with self._lock:
+            chosen = sorted(self._free(max_records), key=lambda s: self._poll_order(s, batch))[:count]
+            for s in chosen:
+                self._prefetched[s] = s.poll(batch, -1, max_records, poll_budget(s, poll_timeout_ms))
+                self._last_taken[s.session_id] = (batch, time.monotonic())
+        return len(chosen)
+
+    def _free(self, max_records: int | None = None) -> list:
+        """Sessions no read holds, with no poll started ahead and nothing awaiting an acknowledgement
+        (polls no bigger than ``max_records``, if given). Call with ``_lock`` held."""
+        return [s for s in self.sessions if s not in self._reserved and not s.busy and s not in self._prefetched
+                and (max_records is None or s.max_poll_records <= max_records)]
+
+    def _poll_order(self, session, batch: int) -> tuple[bool, float]:
+        last_batch, when = self._last_taken.get(session.session_id, (-1, 0.0))
+        return last_batch == batch, when
+
+    def _reserve(self, session, batch: int) -> None:
+        self._reserved.add(session)
+        self._last_taken[session.session_id] = (batch, time.monotonic())
+
+    def give_back(self, session: ShareSession) -> None:
+        """A read is done with ``session`` (its records, if any, wait for the batch's acknowledgement)."""
+        with self._lock:
+            self._reserved.discard(session)
+
+    def release(self, session: ShareSession) -> None:
+        """``session``'s acknowledgement is queued: free for the next batch (its poll queues behind it)."""
+        with self._lock:
+            self._reserved.discard(session)
+
+    def close_all(self) -> list:
+        """Close every session (releasing what each holds); the futures of their closing."""
+        with self._lock:
+            sessions, self.sessions = list(self.sessions), []
+        return [s.close() for s in sessions]

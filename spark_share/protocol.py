@@ -1,0 +1,191 @@
+"""The messages between our processes: one named type each, one handler each on the side that gets it.
+
+Owns: every request the tracker, the agents, the read tasks and the user's process send one another,
+as small dataclasses (on the wire a request is its JSON header: ``op`` plus the fields), which side
+receives which (``TO_TRACKER``, ``TRACKER_TO_AGENT``, ``TASK_TO_AGENT``), and the dispatch from a
+received header to the receiver's handler. Replies are plain dicts, plus an Arrow IPC blob for rows.
+
+Must never: carry a Kafka credential (client configs reach an agent on a pipe from the read task
+that starts it), or decode anything but JSON headers (``wire`` authenticates every connection).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+Reply = dict | tuple[dict, bytes]  # what a handler returns
+
+
+@dataclass
+class Message:
+    op: ClassVar[str] = ""
+
+    def header(self) -> dict:
+        return {"op": self.op, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
+
+    @classmethod
+    def parse(cls, header: dict) -> Message:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in header.items() if k in names})
+
+
+# --- to the tracker ------------------------------------------------------------------------------
+@dataclass
+class Hello(Message):
+    """An agent joins; the reply is its settings (topics, slots, poll size, dead-letter target)."""
+    op: ClassVar[str] = "hello"
+    agent_id: str
+    host: str = ""
+    pid: int = 0
+
+
+@dataclass
+class Claim(Message):
+    """Which agent reads (batch, slot)? The reply's ``owner`` is the asking agent (it polls), another
+    one (it acquired the slot: relay its rows), or None (its agent is gone: read nothing)."""
+    op: ClassVar[str] = "claim"
+    batch: int
+    slot: int
+    query_id: str | None = None
+    spark_batch: int | None = None
+
+
+@dataclass
+class Acquired(Message):
+    """What a (batch, slot) acquired, reported before any row of it reaches Spark."""
+    op: ClassVar[str] = "acquired"
+    batch: int
+    slot: int
+    rows: int = 0
+    session: str | None = None
+    acquired_at: float | None = None
+    offsets: dict[str, dict[str, list[list[int]]]] = field(default_factory=dict)  # topic -> partition -> runs
+    poison: list[list] = field(default_factory=list)  # [topic, partition, offset, deliveryCount]
+    redelivered: int = 0
+    spark_batch: int | None = None
+
+
+@dataclass
+class Fetch(Message):
+    """The cached rows of (batch, slot): to the tracker, which relays it to the agent that holds them."""
+    op: ClassVar[str] = "fetch"
+    batch: int
+    slot: int
+
+
+@dataclass
+class Committed(Message):
+    """Spark committed its batch ``spark_batch`` (from the listener in the user's process)."""
+    op: ClassVar[str] = "committed"
+    spark_batch: int
+
+
+@dataclass
+class Verdicts(Message):
+    """reject() / release() of rows of the running batch, by coordinates; all or nothing."""
+    op: ClassVar[str] = "verdicts"
+    spark_batch: int
+    kind: str  # "reject" | "release"
+    records: list[list]  # [topic, partition, offset]
+    reason: str | None = None
+
+
+@dataclass
+class Status(Message):
+    op: ClassVar[str] = "status"
+
+
+# --- from the tracker to an agent ----------------------------------------------------------------
+@dataclass
+class Prefetch(Message):
+    """Start ``count`` polls of a planned batch now, before its read tasks arrive."""
+    op: ClassVar[str] = "prefetch"
+    batch: int
+    count: int
+    max_records: int | None = None
+    poll_timeout_ms: int = 1000
+
+
+@dataclass
+class Ack(Message):
+    """Queue the acknowledgement of every slot of ``batch`` held here: ``default`` (ACCEPT or
+    RELEASE) unless a verdict ``[topic, partition, offset, kind]`` says otherwise."""
+    op: ClassVar[str] = "ack"
+    batch: int
+    default: int
+    verdicts: list[list] = field(default_factory=list)
+    timeout_s: float = 30.0
+
+
+@dataclass
+class AckResult(Message):
+    """What the broker answered to the acknowledgements of ``batch`` (waits for them, bounded)."""
+    op: ClassVar[str] = "ack_result"
+    batch: int
+
+
+@dataclass
+class DeadLetter(Message):
+    """Write these rejected records of ``batch`` held here (``[topic, partition, offset, reason]``)."""
+    op: ClassVar[str] = "deadletter"
+    batch: int
+    records: list[list]
+
+
+@dataclass
+class Shutdown(Message):
+    """Release everything, close the consumers and exit."""
+    op: ClassVar[str] = "shutdown"
+
+
+@dataclass
+class Ping(Message):
+    op: ClassVar[str] = "ping"
+
+
+# --- from a read task to its host's agent ----------------------------------------------------------
+@dataclass
+class Read(Message):
+    """The rows of (batch, slot): polled now, or the ones cached when it was first read."""
+    op: ClassVar[str] = "read"
+    batch: int
+    slot: int
+    max_records: int | None = None
+    poll_timeout_ms: int = 1000
+    query_id: str | None = None
+    spark_batch: int | None = None
+
+
+TO_TRACKER: tuple[type[Message], ...] = (Hello, Claim, Acquired, Fetch, Committed, Verdicts, Status)
+TRACKER_TO_AGENT: tuple[type[Message], ...] = (Prefetch, Ack, AckResult, DeadLetter, Fetch, Shutdown, Ping)
+TASK_TO_AGENT: tuple[type[Message], ...] = (Read, Ping)
+
+
+def dispatcher(receiver: Any, table: dict[type[Message], str], receives: tuple[type[Message], ...]):
+    """A ``wire`` handler that parses each request into its message and calls the method of
+    ``receiver`` that ``table`` names for it. ``table`` must cover exactly ``receives``."""
+    if set(table) != set(receives):
+        raise TypeError(f"{type(receiver).__name__} handles {sorted(m.op for m in table)}, "
+                        f"but receives {sorted(m.op for m in receives)}")
+    by_op: dict[str, tuple[type[Message], Callable]] = {m.op: (m, getattr(receiver, name)) for m, name in table.items()}
+
+    def handle(conn, header: dict, blob: bytes) -> tuple[dict, bytes]:
+        op = header.get("op")
+        if op not in by_op:
+            raise ValueError(f"unknown request {op!r}")
+        cls, fn = by_op[op]
+        out = fn(conn, cls.parse(header))
+        return out if isinstance(out, tuple) else (out, b"")
+
+    return handle
+
+
+def call(conn, msg: Message, timeout: float | None = None) -> tuple[dict, bytes]:
+    return conn.call(msg.header(), timeout=timeout)
+
+
+def call_async(conn, msg: Message) -> Future:
+    return conn.call_async(msg.header())

@@ -1,0 +1,143 @@
+"""This host's runtime directory: every file spark-share keeps there, the query registry, logging.
+
+Owns: the owner-only directory (``SPARK_SHARE_RUNTIME_DIR``, else ``/tmp/spark-share-<uid>``), the
+name of every file in it (agent sockets, spawn and liveness locks, logs, query registry entries,
+checkpoint notes), writing and reading the registry entry through which the user's process finds a
+query's tracker, pruning old logs, and the log handlers of our processes.
+
+Must never: import the agent, the tracker or Spark (every process of ours uses it), or write a
+file other users can read (registry entries hold the per-query secret).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+LOG_RETENTION_S = 7 * 86400
+
+
+def runtime_dir() -> str:
+    """Owner-only directory for sockets, locks, logs and the query registry on this host."""
+    base = os.environ.get("SPARK_SHARE_RUNTIME_DIR") or f"/tmp/spark-share-{os.getuid()}"
+    os.makedirs(base, mode=0o700, exist_ok=True)
+    st = os.stat(base)
+    if st.st_uid != os.getuid():
+        raise PermissionError(f"{base} belongs to another user; set SPARK_SHARE_RUNTIME_DIR to a private directory")
+    if st.st_mode & 0o077:
+        os.chmod(base, 0o700)
+    return base
+
+
+# --- file names ---------------------------------------------------------------------------------
+def agent_base(tracker_id: str) -> str:
+    """Prefix of the agent's files of one query run: ``.sock``, ``.spawn``, ``.alive``, ``.log``."""
+    return os.path.join(runtime_dir(), f"agent-{tracker_id}")
+
+
+def agent_socket_path(tracker_id: str) -> str:
+    return agent_base(tracker_id) + ".sock"
+
+
+def agent_log_path(tracker_id: str) -> str:
+    return agent_base(tracker_id) + ".log"
+
+
+def tracker_log_path(tracker_id: str) -> str:
+    return os.path.join(runtime_dir(), f"tracker-{tracker_id}.log")
+
+
+def registry_path(query_id: str) -> str:
+    """Where a query's tracker leaves its address and secret for the user's process on this host."""
+    return os.path.join(runtime_dir(), f"query-{query_id}.json")
+
+
+def checkpoint_note_path(query_id: str) -> str:
+    """Where the user's process notes a query's checkpoint location (written when the query starts)."""
+    return os.path.join(runtime_dir(), f"checkpoint-{query_id}.json")
+
+
+# --- owner-only JSON files ----------------------------------------------------------------------
+def write_private_json(path: str, content: dict) -> None:
+    """Write ``content`` readable by this user only, replacing ``path`` atomically."""
+    fd = os.open(path + ".tmp", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(content, f)
+    os.replace(path + ".tmp", path)
+
+
+def read_json(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            out = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return out if isinstance(out, dict) else None
+
+
+def remove(path: str | None) -> None:
+    if path:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+# --- the query registry -------------------------------------------------------------------------
+def registry_entry(query_id: str) -> dict | None:
+    """The registry entry of a query on this host (its tracker may be gone)."""
+    return read_json(registry_path(query_id))
+
+
+def live_registry_entry(query_id: str) -> dict | None:
+    """The registry entry of a query if the tracker that wrote it still runs."""
+    reg = registry_entry(query_id)
+    try:
+        os.kill(int(reg["pid"]), 0)  # type: ignore[index]
+        return reg
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+# --- housekeeping and logs ----------------------------------------------------------------------
+def prune_logs(max_age_s: float = LOG_RETENTION_S) -> None:
+    """Logs untouched for a week go (live runs keep writing theirs; locks and sockets stay)."""
+    base = runtime_dir()
+    cutoff = time.time() - max_age_s
+    for name in os.listdir(base):
+        if name.endswith(".log"):
+            path = os.path.join(base, name)
+            try:
+                if os.stat(path).st_mtime < cutoff:
+                    os.unlink(path)
+            except OSError:
+                pass
+
+
+def log_to_file(path: str) -> logging.Handler:
+    """Also send spark_share's log lines to an owner-only file; the caller removes the handler."""
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o600)
+    os.close(fd)
+    h = logging.FileHandler(path)
+    h.setFormatter(logging.Formatter(LOG_FORMAT))
+    logging.getLogger("spark_share").addHandler(h)
+    return h
+
+
+def stop_logging_to(handler: logging.Handler) -> None:
+    logging.getLogger("spark_share").removeHandler(handler)
+    handler.close()
+
+
+def log_to_stderr() -> None:
+    """spark_share's INFO lines to stderr, once per process (Spark's Python processes set up none)."""
+    root = logging.getLogger("spark_share")
+    if not root.handlers:
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter(LOG_FORMAT))
+        root.addHandler(h)
+        root.setLevel(logging.INFO)
+        root.propagate = False

@@ -1,0 +1,82 @@
+"""The high watermarks of the subscribed partitions, kept in memory by a background thread.
+
+Owns: one plain Kafka client kept alive for the whole run (the embedded broker drops every share
+session when any client disconnects), the check at start that the cluster answers and the topics
+exist, and the partitions' high watermarks, refreshed while an idle stream needs them.
+
+Must never: be called on Spark's ``latestOffset`` path for anything but reading memory, or quote a
+credential in an error.
+"""
+from __future__ import annotations
+
+import threading
+
+from .errors import SourceError
+from .options import ShareSourceOptions, scrub
+
+
+class MetadataWatcher:
+    """A plain Kafka client kept alive for the whole run (the embedded broker drops every share
+    session when any client disconnects) that refreshes high watermarks in the background while
+    ``wanted()`` says they matter (an idle stream), and not otherwise."""
+
+    def __init__(self, opts: ShareSourceOptions, timeout_s: float = 15.0, wanted=lambda: True):
+        from confluent_kafka import Consumer, KafkaException
+
+        self._opts = opts
+        self._secrets = opts.secret_values()
+        try:
+            self.client = Consumer(opts.metadata_config())
+        except (KafkaException, ValueError, TypeError) as e:
+            raise SourceError(scrub(f"invalid Kafka client configuration: {e}", self._secrets)) from None
+        try:
+            md = self.client.list_topics(timeout=timeout_s)
+        except KafkaException as e:
+            self.client.close()
+            raise SourceError(
+                f"could not reach the Kafka cluster at kafka.bootstrap.servers={opts.bootstrap_servers!r} "
+                f"within {timeout_s:.0f} s ({scrub(str(e.args[0]) if e.args else str(e), self._secrets)}); "
+                "check the address, the network and the security settings") from None
+        missing = [t for t in opts.topics if t not in md.topics or md.topics[t].error is not None]
+        if missing:
+            self.client.close()
+            raise SourceError(f"topic(s) {missing} do not exist on {opts.bootstrap_servers!r}; create them first "
+                              f"(existing topics: {sorted(t for t in md.topics if not t.startswith('__'))[:20]})")
+        self.partitions: list[tuple[str, int]] = sorted(
+            (t, p) for t in opts.topics for p in md.topics[t].partitions)
+        self.high: dict[tuple[str, int], int] = {}
+        self.version = 0
+        self._wanted = wanted
+        self._stop = threading.Event()
+        self.refresh()
+        self._thread = threading.Thread(target=self._loop, name="spark-share-watermarks", daemon=True)
+        self._thread.start()
+
+    def refresh(self) -> None:
+        from confluent_kafka import TopicPartition
+
+        changed = False
+        for t, p in self.partitions:
+            try:
+                _, high = self.client.get_watermark_offsets(TopicPartition(t, p), timeout=5, cached=False)
+            except Exception:
+                continue
+            if self.high.get((t, p)) != high:
+                self.high[(t, p)] = high
+                changed = True
+        if changed:
+            self.version += 1
+
+    def _loop(self) -> None:
+        interval = max(0.25, 0.02 * len(self.partitions))  # one ListOffsets request per partition
+        while not self._stop.wait(interval):
+            if self._wanted():
+                self.refresh()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        try:
+            self.client.close()
+        except Exception:
+            pass

@@ -1,0 +1,131 @@
+"""The batch policy alone: when a batch runs, how big it may be, when AvailableNow ends (no Spark, no Kafka)."""
+from spark_share.batches import AckOutcome, BatchState
+from spark_share.policy import AVAILABLE_NOW_EMPTY_RETRIES, DEFAULT_LOCK_MS, BatchPolicy
+
+
+def batch(n, rows_by_partition=None, slots=2, max_records=None, **outcome) -> BatchState:
+    """A batch whose slot i acquired offsets [first, last] of ("t", i), rows = last - first + 1."""
+    b = BatchState(n, slots, max_records)
+    for slot, (first, last) in enumerate(rows_by_partition or []):
+        b.acquired[slot] = {"agent": "a", "rows": last - first + 1, "acquired_at": 100.0,
+                            "offsets": {"t": {str(slot): [[first, last]]}}}
+    b.outcome = AckOutcome(**outcome)
+    return b
+
+
+def saw(p: BatchPolicy, b: BatchState) -> None:
+    for a in b.acquired.values():
+        p.acquired(a["offsets"], 0)
+
+
+# --- default and processingTime triggers ---------------------------------------------------------
+def test_the_first_batch_always_runs_then_records_keep_it_going():
+    p = BatchPolicy(num_slots=2, idle_probe_ms=10_000)
+    assert p.should_run(None, hw_version=0, now=0.0)
+    p.planned(hw_version=0, now=0.0)
+    assert p.should_run(batch(0, [(0, 9)]), hw_version=0, now=0.1) and not p.idle
+
+
+def test_an_idle_stream_waits_for_new_records_or_the_probe():
+    p = BatchPolicy(num_slots=2, idle_probe_ms=10_000)
+    p.planned(hw_version=3, now=100.0)
+    empty = batch(0)
+    assert not p.should_run(empty, hw_version=3, now=105.0) and p.idle
+    assert p.should_run(empty, hw_version=4, now=105.0), "moved high watermarks mean new records"
+    assert p.should_run(empty, hw_version=3, now=110.0), "the idle probe is due"
+
+
+def test_records_given_back_run_another_batch_at_once():
+    p = BatchPolicy(num_slots=2, idle_probe_ms=10_000)
+    p.planned(hw_version=0, now=0.0)
+    for kind in ("released", "failed", "expired"):
+        assert p.should_run(batch(0, **{kind: 1}), hw_version=0, now=0.0), kind
+
+
+# --- AvailableNow ------------------------------------------------------------------------------------
+def available_now(high) -> BatchPolicy:
+    p = BatchPolicy(num_slots=2, idle_probe_ms=10_000)
+    p.start_available_now(high)
+    return p
+
+
+def test_available_now_ends_once_everything_below_the_start_was_seen():
+    p = available_now({("t", 0): 10, ("t", 1): 5})
+    assert p.should_run(None, 0, 0.0)
+    p.planned(0, 0.0)
+    b0 = batch(0, [(0, 9), (0, 2)])
+    saw(p, b0)
+    assert not p.seen_all() and p.should_run(b0, 0, 0.0)
+    b1 = BatchState(1, 1, None)
+    b1.acquired[0] = {"agent": "a", "rows": 2, "offsets": {"t": {"1": [[3, 4]]}}}
+    saw(p, b1)
+    assert p.seen_all()
+    assert p.should_run(b1, 0, 0.0) and p.closing, "one last batch acknowledges and reports"
+    assert p.slots_of_new_batch(None) == 0, "the closing batch has no read tasks"
+    assert not p.should_run(batch(2, slots=0), 0, 0.0)
+
+
+def test_available_now_retries_empty_polls_a_bounded_number_of_times_while_behind():
+    p = available_now({("t", 0): 100})
+    p.planned(0, 0.0)
+    b0 = batch(0, [(0, 9)])
+    saw(p, b0)
+    assert p.should_run(b0, 0, 0.0)
+    runs = [p.should_run(batch(n), 0, 0.0) for n in range(1, AVAILABLE_NOW_EMPTY_RETRIES + 2)]
+    assert runs == [True] * AVAILABLE_NOW_EMPTY_RETRIES + [False]
+
+
+def test_available_now_waits_for_records_it_gave_back():
+    p = available_now({("t", 0): 10})
+    p.planned(0, 0.0)
+    b0 = batch(0, [(0, 9)], released=4)
+    saw(p, b0)
+    assert p.needs_acknowledgements(b0) is True, "the run may end here: the answers decide"
+    p.acknowledged(b0)
+    assert p.redeliveries_due == 4
+    assert p.should_run(b0, 0, 0.0) and not p.closing
+    assert p.should_run(batch(1), 0, 0.0), "an empty poll while 4 are due goes on"
+    p.acquired({"t": {"0": [[2, 5]]}}, redelivered=4)
+    assert p.redeliveries_due == 0
+
+
+def test_available_now_ends_when_a_batch_brought_only_newer_records():
+    p = available_now({("t", 0): 10, ("t", 1): 10})
+    p.planned(0, 0.0)
+    b = BatchState(0, 1, None)
+    b.acquired[0] = {"agent": "a", "rows": 5, "offsets": {"t": {"0": [[20, 24]]}}}
+    p.acquired(b.acquired[0]["offsets"], 0)
+    assert not p.should_run(b, 0, 0.0)
+
+
+def test_default_trigger_never_waits_for_acknowledgements():
+    p = BatchPolicy(num_slots=2, idle_probe_ms=10_000)
+    p.planned(0, 0.0)
+    assert not p.needs_acknowledgements(batch(0))
+
+
+# --- slots, budgets and the record lock ----------------------------------------------------------------
+def test_slots_and_budgets_follow_max_records_per_trigger():
+    p = BatchPolicy(num_slots=4, idle_probe_ms=10_000, max_records_per_trigger=1000)
+    assert p.slots_for(None) == 4 and p.slots_for(2) == 2 and p.slots_for(1000) == 4
+    assert p.slot_budgets(BatchState(0, 4, 1000)) == [250] * 4
+    assert p.slot_budgets(BatchState(0, 4, None)) == [None] * 4
+    assert p.poll_size(None) == 250, "before any batch: maxRecordsPerTrigger over the slots"
+    assert p.poll_size(BatchState(0, 2, None)) is None
+
+
+def test_lock_expiry_halves_what_a_consumer_may_take_and_learns_the_lock():
+    p = BatchPolicy(num_slots=2, idle_probe_ms=10_000)
+    assert p.lock_ms == DEFAULT_LOCK_MS
+    b = batch(0, [(0, 799), (0, 399)], expired=1200)
+    b.acked_at = 100.0 + 12.5  # held 12.5 s: the lock is shorter than that
+    p.acknowledged(b)
+    assert p.lock_safe_records == 400 and p.lock_ms == 12_500
+    assert p.slot_budgets(BatchState(1, 2, None)) == [400, 400]
+    assert p.slot_budgets(BatchState(1, 2, 600)) == [300, 300]
+    small = batch(2, [(0, 99)], expired=100)
+    small.acked_at = 100.0 + 20
+    p.acknowledged(small)
+    assert p.lock_safe_records == 50, "only ever lowered"
+    assert p.close_to_lock(11_000) and not p.close_to_lock(5_000)
+    assert p.headroom_ms(2_500.0) == 10_000.0
