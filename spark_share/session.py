@@ -185,7 +185,7 @@ class ShareSession:
         # have returned its records).
         return bool(sent) and all(sent.get(b, 0) >= n + 2 for b, n in base.items())
 
-    def _poll(self, batch, slot, max_records, timeout_ms):
+    def _poll(self, batch: int, slot: int, max_records: int | None, timeout_ms: int) -> tuple[Any, Holding]:
         if self.holding is not None:
             raise RuntimeError(f"session {self.session_id} still holds batch {self.holding.batch} "
                                f"slot {self.holding.slot}; it must be acknowledged first")
@@ -213,8 +213,10 @@ class ShareSession:
             self.holding = holding
         if excess:
             # More than this batch may take (e.g. the batch size was just lowered): give the rest back now.
+            from confluent_kafka import AcknowledgeType
+
             for m in excess:
-                self.consumer.acknowledge(m, RELEASE)
+                self.consumer.acknowledge(m, AcknowledgeType.RELEASE)
             res = self.consumer.commit_sync(30.0)
             bad = {str(tp.topic) + "-" + str(tp.partition): str(e) for tp, e in (res or {}).items() if e is not None}
             if bad:

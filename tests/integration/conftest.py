@@ -1,5 +1,5 @@
-"""Fixtures shared by the whole run: one local Spark session, a fresh embedded broker per test,
-and a long-lived producer of records with unique ids."""
+"""Fixtures of the integration tests: one local Spark session (with kafka-share registered), a fresh
+embedded broker per test, and a long-lived producer of records with unique ids."""
 from __future__ import annotations
 
 import os
@@ -7,12 +7,11 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))  # tests import helpers.py and support.py
 # Executors' Python workers must be this interpreter (the venv with the project installed).
 os.environ["PYSPARK_PYTHON"] = sys.executable
 os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
 
-from helpers import ProducerPool  # noqa: E402
+from support import ProducerPool  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -27,6 +26,9 @@ def spark():
                .config("spark.sql.streaming.stopTimeout", "60s")
                .getOrCreate())
     session.sparkContext.setLogLevel("ERROR")
+    import spark_share
+
+    spark_share.register(session)
     try:
         yield session
     finally:

@@ -11,9 +11,7 @@ import threading
 import time
 import uuid
 
-import psutil
 import pytest
-from pyspark.sql import functions as F
 
 import spark_share
 from spark_share import wire
@@ -25,23 +23,17 @@ from support import (
     batch_agents,
     check_no_loss,
     drain_share_group,
+    gid,
     ids_of,
     kill,
     python_workers,
     read_stream,
     registry,
+    run_available_now,
     tracker_log,
+    uid,
     wait_until,
 )
-
-
-def uid(prefix):
-    return f"{prefix}-{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture(autouse=True)
-def _register(spark):
-    spark_share.register(spark)
 
 
 def test_available_now_drains_acknowledges_and_ends(spark, kafka, tmp_path):
@@ -92,95 +84,6 @@ def test_available_now_drains_acknowledges_and_ends(spark, kafka, tmp_path):
     assert spark.read.parquet(out).count() == 600
 
 
-def test_crash_after_sink_write_redelivers_the_batch(spark, kafka, tmp_path):
-    """Invariant 1: nothing is ACCEPTed before the batch is in the commit log."""
-    w = Workload(kafka, "payments", partitions=2)
-    w.produce(300)
-    group, ck = uid("g"), str(tmp_path / "ck")
-    out = str(tmp_path / "out")
-
-    def write_then_crash(df, batch_id):
-        df.write.mode("append").parquet(out)
-        raise RuntimeError("crash after the sink wrote, before the commit")
-
-    q = (read_stream(spark, kafka, group, "payments").writeStream.foreachBatch(write_then_crash)
-         .option("checkpointLocation", ck).start())
-    with pytest.raises(Exception, match="crash after the sink wrote"):
-        q.awaitTermination(120)
-    first = spark.read.parquet(out).collect()
-    assert len(first) > 0 and {r["deliveryCount"] for r in first} == {1}
-    assert not os.path.exists(os.path.join(ck, "commits", "0"))
-
-    # Restart from the checkpoint: batch 0 is replayed and every record of it comes back.
-    collector = BatchCollector()
-    q = (read_stream(spark, kafka, group, "payments").writeStream.foreachBatch(collector)
-         .option("checkpointLocation", ck).trigger(availableNow=True).start())
-    assert q.awaitTermination(120)
-    assert q.exception() is None
-    redelivered = {json.loads(bytes(r["value"]))["id"]: r["deliveryCount"] for r in collector.rows}
-    for r in first:
-        i = json.loads(bytes(r["value"]))["id"]
-        assert redelivered.get(i) == 2, f"record {i} of the failed batch did not come back with deliveryCount 2"
-    check_no_loss(w.ids, collector.ids)
-
-
-def test_two_actions_and_a_task_retry_see_the_same_rows(spark, kafka, tmp_path):
-    """Invariant 3: re-reads of a batch return the rows first acquired; nothing extra is acquired."""
-    w = Workload(kafka, "events", partitions=2)
-    w.produce(400)
-    seen_dir = tmp_path / "attempts"
-    seen_dir.mkdir()
-
-    def fail_first_attempt(batches):
-        from pyspark import TaskContext
-        ctx = TaskContext.get()
-        offsets = []
-        out = []
-        for b in batches:
-            offsets += list(zip(b.column("partition").to_pylist(), b.column("offset").to_pylist()))
-            out.append(b)
-        path = seen_dir / f"p{ctx.partitionId()}-a{ctx.attemptNumber()}-{uuid.uuid4().hex[:6]}.json"
-        path.write_text(json.dumps(offsets))
-        if ctx.attemptNumber() == 0 and offsets:
-            # The first attempt of each data-carrying task fails once per action.
-            raise RuntimeError("injected task failure downstream of the read")
-        yield from out
-
-    counts = {}
-    delivered = []
-
-    def two_actions(df, batch_id):
-        n = df.count()
-        rows = df.collect()
-        counts[batch_id] = (n, len(rows), len({(r["partition"], r["offset"]) for r in rows}))
-        delivered.extend(ids_of(rows))
-
-    df = read_stream(spark, kafka, uid("g"), "events")
-    df = df.mapInArrow(fail_first_attempt, df.schema)
-    q = (df.writeStream.foreachBatch(two_actions).option("checkpointLocation", str(tmp_path / "ck"))
-         .trigger(availableNow=True).start())
-    assert q.awaitTermination(120)
-    assert q.exception() is None
-    assert counts and all(n == m == d for n, m, d in counts.values()), counts
-    assert sum(n for n, _, _ in counts.values()) == 400
-    # Every attempt at a slot of the data batch (2 actions x failed attempt + retry) saw the same rows.
-    slots_with_data = 0
-    for slot in (0, 1):
-        first = [sorted(map(tuple, json.loads(p.read_text()))) for p in seen_dir.glob(f"p{slot}-a0-*.json")]
-        retry = [sorted(map(tuple, json.loads(p.read_text()))) for p in seen_dir.glob(f"p{slot}-a1-*.json")]
-        first = [f for f in first if f]
-        if not first:
-            continue
-        slots_with_data += 1
-        assert len(first) == 2 and len(retry) == 2, "the injected failures and their retries did not all happen"
-        assert first[0] == first[1] == retry[0] == retry[1]
-    assert slots_with_data >= 1
-    progress = q.recentProgress[-1]["sources"][0]["latestOffset"]
-    progress = json.loads(progress) if isinstance(progress, str) else progress
-    assert progress["acquired"] == 400, "re-reads acquired extra records"
-    assert check_no_loss(w.ids, delivered).duplicates == 0
-
-
 def test_consumers_outlive_killed_python_workers(spark, kafka, tmp_path):
     """Invariant 4: killing the Python workers that ran read() loses no consumer and no record."""
     w = Workload(kafka, "clicks", partitions=2)
@@ -206,55 +109,6 @@ def test_consumers_outlive_killed_python_workers(spark, kafka, tmp_path):
     assert agents[0] and agents[0] == agents[1], "the agent holding the records did not survive"
     report = check_no_loss(w.ids, collector.ids)
     assert report.duplicates == 0
-
-
-def test_stop_mid_batch_releases_at_once_and_leaves_nothing_running(spark, kafka, tmp_path):
-    """Invariant 5: q.stop() in the middle of a batch RELEASEs its records; no agent stays behind.
-    Then a restart from the checkpoint (replaying the uncommitted batch) delivers everything."""
-    kafka.set_record_lock_duration(60_000)  # only a release, not lock expiry, can hand them out in time
-    w = Workload(kafka, "jobs", partitions=2)
-    w.produce(200)
-    group, ck, out = uid("g"), str(tmp_path / "ck"), str(tmp_path / "out")
-
-    @F.udf("long")
-    def slow(offset):
-        time.sleep(0.05)
-        return offset
-
-    df = read_stream(spark, kafka, group, "jobs")
-    q = (df.withColumn("o2", slow("offset")).writeStream.format("parquet").option("path", out)
-         .option("checkpointLocation", ck).start())
-    wait_until(lambda: q.isActive and spark_share.status(q)["inflightRecords"] > 0
-               if registry(q.id) else False, timeout=60, message="the batch never started")
-    reg = registry(q.id)
-    tracker_id = reg["tracker_id"]
-    assert agent_processes(tracker_id)
-    held = spark_share.status(q)["inflightRecords"]
-    t0 = time.monotonic()
-    q.stop()
-    wait_until(lambda: not agent_processes(tracker_id), timeout=30, message="agent left running after stop")
-    wait_until(lambda: not psutil.pid_exists(reg["pid"]), timeout=30, message="the tracker's process outlived the query")
-    # Nothing of this process still talks to the tracker (status() and the listener opened connections).
-    wait_until(lambda: not [c for c in psutil.Process().net_connections("tcp")
-                            if c.raddr and c.raddr.port == reg["port"]], timeout=10,
-               message="a connection to the stopped query's tracker was left open")
-    # Another member of the group gets the records well before the 60 s lock would expire. (It must
-    # join after the query's consumers left: the embedded broker gives a partition to one member.)
-    got = drain_share_group(kafka.bootstrap_servers, group, ["jobs"], timeout=20, until=200,
-                            ack=__import__("confluent_kafka").AcknowledgeType.RELEASE)
-    assert len({(t, p, o) for t, p, o, _, _ in got}) >= held, f"only {len(got)} of {held} records released in time"
-    assert time.monotonic() - t0 < 40
-    assert registry(q.id) is None
-    assert not os.path.exists(agent_socket_path(tracker_id))
-
-    # Restart: replays the uncommitted batch and then drains the rest.
-    kafka.set_record_lock_duration(30_000)
-    q = (read_stream(spark, kafka, group, "jobs").writeStream.format("parquet").option("path", out)
-         .option("checkpointLocation", ck).trigger(availableNow=True).start())
-    assert q.awaitTermination(120)
-    assert q.exception() is None
-    check_no_loss(w.ids, ids_of(spark.read.parquet(out).collect()),
-                  duplicates_reason="rows the stopped batch wrote before the stop")
 
 
 def test_idle_is_cheap_and_latest_offset_answers_from_memory(spark, kafka, tmp_path):
@@ -587,3 +441,42 @@ def test_bad_setup_fails_fast_with_a_clear_error(spark, kafka, tmp_path):
     with pytest.raises(Exception, match="subscribePattern"):
         (spark.readStream.format("kafka-share").option("kafka.bootstrap.servers", dead)
          .option("kafka.group.id", "g").option("subscribePattern", "t.*").load())
+
+
+def test_secrets_never_leak(spark, kafka, tmp_path):
+    secret, key_secret = "S3cr3t-Pa55-" + uuid.uuid4().hex[:6], "KeyPa55-" + uuid.uuid4().hex[:6]
+    w = Workload(kafka, "sec", partitions=1)
+    w.produce(20)
+    opts = {"kafka.sasl.username": "alice", "kafka.sasl.password": secret, "kafka.ssl.key.password": key_secret}
+    texts = []
+
+    def fail_second(df, batch_id):
+        texts.append(repr(df.count()))
+        if batch_id >= 1:
+            raise RuntimeError("failing run")
+
+    ck = str(tmp_path / "ck")
+    q = run_available_now(spark, kafka, gid(), "sec", lambda df, b: df.count(), ck, **opts)
+    texts.append(json.dumps([json.loads(p.json) for p in q.recentProgress]))
+    w.produce(5)
+    q = (read_stream(spark, kafka, gid(), "sec", **opts).writeStream.foreachBatch(fail_second)
+         .option("checkpointLocation", ck).start())
+    with pytest.raises(Exception) as e:
+        q.awaitTermination(120)
+    texts.append(str(e.value))
+    texts.append(json.dumps([json.loads(p.json) for p in q.recentProgress]))
+    from spark_share.options import parse_options
+    from spark_share.reader import SharePartition, ShareStreamReader
+    reader = ShareStreamReader(parse_options({"kafka.bootstrap.servers": kafka.bootstrap_servers,
+                                              "kafka.group.id": "g", "subscribe": "sec", **opts}))
+    texts += [repr(reader.opts), str(reader.opts), repr(SharePartition("h", 1, "t", secret, 0, 0, None, 1))]
+    for root in (ck, runtime_dir()):
+        for dirpath, _, files in os.walk(root):
+            for f in files:
+                try:
+                    texts.append(open(os.path.join(dirpath, f), errors="replace").read())
+                except OSError:
+                    pass
+    blob = "\n".join(texts)
+    assert "failing run" in blob  # the failing run's text is part of what was searched
+    assert secret not in blob and key_secret not in blob

@@ -19,14 +19,14 @@ import time
 import pytest
 from confluent_kafka import AcknowledgeType, Producer, ShareConsumer
 
-from helpers import ShareGroups, wait_until
 from spark_share import embedded
 from spark_share.embedded import EmbeddedKafka, EmbeddedKafkaError, parse_topic_spec
+from support import ShareGroups, wait_until
 
 ERR_NOT_LEADER_OR_FOLLOWER = 6
 ERR_INVALID_RECORD_STATE = 121
 ACCEPT, RELEASE, REJECT = AcknowledgeType.ACCEPT, AcknowledgeType.RELEASE, AcknowledgeType.REJECT
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def share_consumer(kafka, group="g", topics=("t",), **conf):

@@ -18,7 +18,7 @@ from spark_share.job.command import _find_config
 from spark_share.job.pipeline import _check_against_schema, _check_release_if
 from spark_share.options import is_secret
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JOB_FILE = os.path.join(ROOT, "jobs", "queue_to_table.py")
 
 
