@@ -45,7 +45,9 @@ class Acknowledger:
         says otherwise); ``queued`` runs under the lock once they are. Returns why the query must fail
         (a dead-letter write failed: nothing of ``b`` is acknowledged, it is all released), or None."""
         with self._lock:
-            holders = {a["agent"] for a in b.acquired.values() if a.get("rows")}
+            # Every agent that read a slot, records or not: an empty read is cached too (a re-read must
+            # see it empty again), and this is what tells the agent it may forget it.
+            holders = {a["agent"] for a in b.acquired.values()}
             conns = {a: self._agents.get(a) for a in holders}
             verdicts = [[t, p, o, k] for (t, p, o), (k, _) in b.verdicts.items()]
             rejects = [[t, p, o, r] for (t, p, o), (k, r) in b.verdicts.items() if k == REJECT]
@@ -93,6 +95,8 @@ class Acknowledger:
     @staticmethod
     def _count_failed(b: BatchState, agent_id: str, why: str) -> None:
         n = b.rows_held_by(agent_id)
+        if not n:
+            return
         b.outcome.failed += n
         b.outcome.errors[why] = b.outcome.errors.get(why, 0) + n
 
@@ -142,9 +146,13 @@ def log_batch(b: BatchState, group_id: str, policy: BatchPolicy) -> None:
     held = b.held_ms()
     lat = f", ack latency {1000 * (b.acked_at - b.committed_at):.0f} ms" if b.committed_at and b.acked_at else ""
     lat += f", held {held:.0f} ms" if held is not None else ""
-    log.info("spark-share batch %d (group %s): acquired %d, accepted %d, released %d, rejected %d, "
-             "expired %d, failed %d%s%s", b.batch, group_id, b.rows, o.accepted, o.released,
-             o.rejected, o.expired, o.failed, lat, f", errors {o.errors}" if o.errors else "")
+    # A stream probing an idle queue runs a batch every idleProbeIntervalMs for weeks: those lines are
+    # DEBUG, so the log grows with the records handled, not with time.
+    quiet = not (b.rows or o.accepted or o.released or o.rejected or o.expired or o.failed or o.errors)
+    log.log(logging.DEBUG if quiet else logging.INFO,
+            "spark-share batch %d (group %s): acquired %d, accepted %d, released %d, rejected %d, "
+            "expired %d, failed %d%s%s", b.batch, group_id, b.rows, o.accepted, o.released,
+            o.rejected, o.expired, o.failed, lat, f", errors {o.errors}" if o.errors else "")
     if o.expired:
         log.warning("spark-share batch %d: %d records' locks expired before the batch committed; they are "
                     "delivered again. Raise the group's share.record.lock.duration.ms or lower "

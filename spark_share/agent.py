@@ -132,7 +132,9 @@ class Agent:
         return self._read(m.batch, m.slot, m.max_records, m.poll_timeout_ms, m.query_id, m.spark_batch)
 
     def _on_ping(self, conn, m: Ping) -> dict:
-        return {"agent_id": self.agent_id, "sessions": len(self.pool)}
+        with self._lock:
+            cached = len(self._cache)
+        return {"agent_id": self.agent_id, "sessions": len(self.pool), "cached": cached}
 
     def _read(self, batch: int, slot: int, max_records, poll_timeout_ms: int, query_id, spark_batch):
         key = (batch, slot)

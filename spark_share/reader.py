@@ -55,6 +55,15 @@ class SharePartition(InputPartition):
     __str__ = __repr__
 
 
+def _agent_of(tracker_id: str):
+    """This worker's open connection to the agent of a query run, if any. Connections to agents of
+    runs that ended (the agent exits with its tracker) are dropped here, so a worker that serves
+    query after query keeps none of them."""
+    for ended in [k for k, c in _AGENTS.items() if c.closed]:
+        del _AGENTS[ended]
+    return _AGENTS.get(tracker_id)
+
+
 class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def __init__(self, opts: ShareSourceOptions):
         self.opts = opts
@@ -137,8 +146,8 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         request = Read(partition.batch, partition.slot, partition.max_records, partition.poll_timeout_ms, query_id,
                        int(spark_batch) if spark_batch is not None else None)
         timeout = READ_TIMEOUT_S + partition.poll_timeout_ms / 1000.0
-        conn = _AGENTS.get(partition.tracker_id)
-        if conn is None or conn.closed:
+        conn = _agent_of(partition.tracker_id)
+        if conn is None:
             conn = self._connect_agent(partition)
         try:
             _, blob = call(conn, request, timeout=timeout)

@@ -3,7 +3,7 @@
 Owns: the owner-only directory (``SPARK_SHARE_RUNTIME_DIR``, else ``/tmp/spark-share-<uid>``), the
 name of every file in it (agent sockets, spawn and liveness locks, logs, query registry entries,
 checkpoint notes), writing and reading the registry entry through which the user's process finds a
-query's tracker, pruning old logs, and the log handlers of our processes.
+query's tracker, removing what no live process owns, and the log handlers of our processes.
 
 Must never: import the agent, the tracker or Spark (every process of ours uses it), or write a
 file other users can read (registry entries hold the per-query secret).
@@ -15,9 +15,13 @@ import logging
 import os
 import sys
 import time
+from logging.handlers import RotatingFileHandler
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LOG_RETENTION_S = 7 * 86400
+LOG_MAX_BYTES = 10 << 20  # a tracker log rotates at this size...
+LOG_BACKUPS = 3  # ...keeping this many older files
+ORPHAN_AGE_S = 3600.0  # an agent's socket and lock files unused this long, with no holder, are removed
 
 
 def runtime_dir() -> str:
@@ -103,25 +107,73 @@ def live_registry_entry(query_id: str) -> dict | None:
 
 
 # --- housekeeping and logs ----------------------------------------------------------------------
-def prune_logs(max_age_s: float = LOG_RETENTION_S) -> None:
-    """Logs untouched for a week go (live runs keep writing theirs; locks and sockets stay)."""
+def prune(max_age_s: float = LOG_RETENTION_S, orphan_age_s: float = ORPHAN_AGE_S) -> list[str]:
+    """Remove what no live process of ours owns (run when a tracker starts): logs untouched for a
+    week, registry entries of trackers that are gone, checkpoint notes of queries long gone, and the
+    socket and lock files of agents killed an hour ago or more. Returns the names removed."""
     base = runtime_dir()
-    cutoff = time.time() - max_age_s
-    for name in os.listdir(base):
-        if name.endswith(".log"):
-            path = os.path.join(base, name)
-            try:
-                if os.stat(path).st_mtime < cutoff:
-                    os.unlink(path)
-            except OSError:
-                pass
+    now = time.time()
+    removed = []
+    for name in sorted(os.listdir(base)):
+        path = os.path.join(base, name)
+        try:
+            age = now - os.stat(path).st_mtime
+        except OSError:
+            continue
+        gone = False
+        if name.endswith(".log") or ".log." in name:  # rotated logs too
+            gone = age > max_age_s
+        elif name.startswith("query-") and name.endswith(".json"):
+            gone = live_registry_entry(name[len("query-"):-len(".json")]) is None
+        elif name.startswith("checkpoint-") and name.endswith(".json"):
+            query_id = name[len("checkpoint-"):-len(".json")]
+            gone = age > max_age_s and live_registry_entry(query_id) is None
+        elif name.startswith("agent-") and name.endswith(".spawn"):
+            if age > orphan_age_s:
+                removed += _remove_orphan_agent_files(path[:-len(".spawn")])
+            continue
+        if gone:
+            remove(path)
+            removed.append(name)
+    return removed
+
+
+def _remove_orphan_agent_files(base: str) -> list[str]:
+    """An agent's files, if no agent and no spawner holds their locks (the agent was killed)."""
+    import fcntl
+
+    fds = []
+    try:
+        for suffix in (".spawn", ".alive"):  # the order a spawner takes them in
+            fd = os.open(base + suffix, os.O_RDWR)
+            fds.append(fd)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held (an agent lives or is starting), or already gone
+        for fd in fds:
+            os.close(fd)
+        return []
+    try:
+        for suffix in (".sock", ".alive", ".spawn"):
+            remove(base + suffix)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    name = os.path.basename(base)
+    return [name + s for s in (".sock", ".alive", ".spawn")]
+
+
+class _OwnerOnlyRotatingFile(RotatingFileHandler):
+    """Every file it opens, the first and each one after a rotation, is readable by this user only."""
+
+    def _open(self):
+        return open(self.baseFilename, self.mode, encoding=self.encoding,
+                    opener=lambda path, flags: os.open(path, flags, 0o600))
 
 
 def log_to_file(path: str) -> logging.Handler:
-    """Also send spark_share's log lines to an owner-only file; the caller removes the handler."""
-    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o600)
-    os.close(fd)
-    h = logging.FileHandler(path)
+    """Also send spark_share's log lines to an owner-only file, rotated by size (a stream runs for
+    weeks); the caller removes the handler."""
+    h = _OwnerOnlyRotatingFile(path, maxBytes=LOG_MAX_BYTES, backupCount=LOG_BACKUPS)
     h.setFormatter(logging.Formatter(LOG_FORMAT))
     logging.getLogger("spark_share").addHandler(h)
     return h

@@ -109,7 +109,7 @@ class Tracker:
         # Created before the watcher, whose thread asks it whether the stream is idle; the slots are
         # known once the watcher has listed the partitions.
         self.policy = BatchPolicy(opts.num_partitions or 1, opts.idle_probe_ms, opts.max_records_per_trigger)
-        runtime.prune_logs()
+        runtime.prune()
         self._log_file = runtime.log_to_file(runtime.tracker_log_path(self.tracker_id))
         try:
             self.metadata = MetadataWatcher(opts, wanted=lambda: self.policy.idle)

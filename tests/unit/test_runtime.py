@@ -1,0 +1,85 @@
+"""The runtime directory stays bounded: rotated logs, and files of processes that are gone removed."""
+import fcntl
+import logging
+import os
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from spark_share import reader, runtime
+
+
+@pytest.fixture
+def rdir(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARK_SHARE_RUNTIME_DIR", str(tmp_path))
+    return tmp_path
+
+
+def touch(path, age_s=0.0, text="{}"):
+    path.write_text(text)
+    t = time.time() - age_s
+    os.utime(path, (t, t))
+
+
+def dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_prune_removes_what_no_live_process_owns_and_keeps_the_rest(rdir):
+    week, hour = runtime.LOG_RETENTION_S, runtime.ORPHAN_AGE_S
+    touch(rdir / "query-dead.json", text=f'{{"pid": {dead_pid()}}}')
+    touch(rdir / "query-live.json", text=f'{{"pid": {os.getpid()}}}')
+    touch(rdir / "checkpoint-dead.json", age_s=week + 60)
+    touch(rdir / "checkpoint-live.json", age_s=week + 60)
+    touch(rdir / "checkpoint-recent.json")
+    touch(rdir / "tracker-old.log", age_s=week + 60)
+    touch(rdir / "tracker-old.log.2", age_s=week + 60)
+    touch(rdir / "tracker-new.log")
+    for agent in ("killed", "alive", "young"):
+        for suffix in (".spawn", ".alive", ".sock"):
+            touch(rdir / f"agent-{agent}{suffix}", age_s=0 if agent == "young" else 2 * hour)
+    held = os.open(rdir / "agent-alive.alive", os.O_RDWR)  # what a running agent holds
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        removed = runtime.prune()
+    finally:
+        os.close(held)
+    assert sorted(removed) == sorted(["query-dead.json", "checkpoint-dead.json", "tracker-old.log",
+                                      "tracker-old.log.2", "agent-killed.sock", "agent-killed.alive",
+                                      "agent-killed.spawn"])
+    assert sorted(p.name for p in rdir.iterdir()) == sorted(
+        ["query-live.json", "checkpoint-live.json", "checkpoint-recent.json", "tracker-new.log"]
+        + [f"agent-{a}{s}" for a in ("alive", "young") for s in (".spawn", ".alive", ".sock")])
+
+
+def test_the_tracker_log_rotates_by_size(rdir, monkeypatch):
+    monkeypatch.setattr(runtime, "LOG_MAX_BYTES", 2000)
+    monkeypatch.setattr(runtime, "LOG_BACKUPS", 2)
+    path = runtime.tracker_log_path("t1")
+    h = runtime.log_to_file(path)
+    log = logging.getLogger("spark_share.test")
+    level = logging.getLogger("spark_share").level
+    logging.getLogger("spark_share").setLevel(logging.INFO)
+    try:
+        for i in range(500):
+            log.info("line %d of a stream that runs for weeks", i)
+    finally:
+        runtime.stop_logging_to(h)
+        logging.getLogger("spark_share").setLevel(level)
+    files = sorted(p.name for p in rdir.iterdir())
+    assert files == ["tracker-t1.log", "tracker-t1.log.1", "tracker-t1.log.2"]
+    assert all((rdir / f).stat().st_size <= 2000 for f in files)
+    assert all((rdir / f).stat().st_mode & 0o077 == 0 for f in files)
+    assert "line 499 " in (rdir / "tracker-t1.log").read_text()
+
+
+def test_a_worker_forgets_agent_connections_of_ended_runs(monkeypatch):
+    ended, live = SimpleNamespace(closed=True), SimpleNamespace(closed=False)
+    monkeypatch.setattr(reader, "_AGENTS", {"run-1": ended, "run-2": live})
+    assert reader._agent_of("run-1") is None and reader._agent_of("run-2") is live
+    assert reader._AGENTS == {"run-2": live}
