@@ -2,12 +2,12 @@
 
 Lives in the reader's runner process (``python_streaming_source_runner``), started lazily by
 the reader. Owns: the per-query secret, the TCP server agents and the user's process connect
-to, the claims of (batch, slot) by agents, each batch's acquired offsets, verdicts and
-acknowledgement outcomes, the high watermarks that tell an idle stream whether a new batch is
-worth running, which of its batches Spark runs under which batch id, and the registry file
-through which the user's process (foreachBatch, the listener) finds it. It queues a committed
-batch's acknowledgements on the agents (collecting the broker's answers in the background) and
-has the agents start a batch's polls when it plans it.
+to, the batches of this run (the one place a batch that reads is created, ``plan``), the claims
+of (batch, slot) by agents, what each acquired and the verdicts on it, which of its batches Spark
+runs under which batch id, how far Spark has committed (``committed_upto``), the registry entry
+through which the user's process (foreachBatch, the listener) finds it, and the stop. It asks the
+policy (``policy``) whether a batch runs and how big, the watermark thread (``watermarks``) whether
+records arrived, and the acknowledger (``acks``) to send a batch's verdicts to the agents.
 
 Must never: acknowledge a batch before Spark has committed it (only ``batch_committed`` starts an
 ACCEPT, and it is called from ``latestOffset`` or the commit listener), talk to Kafka on the
