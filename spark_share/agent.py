@@ -1,7 +1,8 @@
 """The executor-side agent: one long-lived process per (query run, host) that owns share consumers.
 
-Owns: the share sessions of this host, the records each (batch, slot) acquired (cached as Arrow
-IPC until acknowledged, so every re-read of a batch sees the same rows), and the commands from
+Owns: the share sessions of this host (which one a read polls with: ``pool``), the records each
+(batch, slot) acquired (cached as Arrow IPC until acknowledged, so every re-read of a batch sees
+the same rows), and the commands from
 the tracker (start a planned batch's polls, queue a batch's acknowledgements and report what the
 broker answered, write dead letters, hand a cached batch to another host, shut down).
 Read tasks reach it over a Unix socket that only the owner can open, authenticated with the

@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass, field
 
 ACCEPT, RELEASE, REJECT = 1, 2, 3
-VERDICT_NAMES = {ACCEPT: "accepted", RELEASE: "released", REJECT: "rejected"}
 
 # planned: its read tasks may claim slots; acking: its acknowledgements are being sent; queued: they
 # are on the consumers, ahead of their next poll; acked / released: the broker answered. void: a

@@ -16,8 +16,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-Reply = dict | tuple[dict, bytes]  # what a handler returns
-
 
 @dataclass
 class Message:

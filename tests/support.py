@@ -238,13 +238,10 @@ def kill(procs: Iterable[psutil.Process], timeout: float = 15.0) -> int:
 
 
 def registry(query_id: str) -> dict | None:
-    from spark_share.runtime import runtime_dir
+    """The query's registry entry on this host (None once its tracker removed it)."""
+    from spark_share.runtime import registry_entry
 
-    try:
-        with open(os.path.join(runtime_dir(), f"query-{query_id}.json")) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return None
+    return registry_entry(query_id)
 
 
 def read_stream(spark, kafka, group: str, topics, **options):

@@ -15,7 +15,7 @@ import pytest
 
 import spark_share
 from spark_share import wire
-from spark_share.runtime import agent_socket_path, checkpoint_note_path, runtime_dir
+from spark_share.runtime import agent_socket_path, checkpoint_note_path, registry_path, runtime_dir
 from support import (
     BatchCollector,
     Workload,
@@ -292,7 +292,7 @@ def test_sockets_refuse_peers_without_the_secret(spark, kafka, tmp_path):
         qid = df.sparkSession.sparkContext.getLocalProperty("sql.streaming.queryId")
         reg = registry(qid)
         checks["tracker_host"] = reg["host"]
-        checks["registry_mode"] = os.stat(os.path.join(runtime_dir(), f"query-{qid}.json")).st_mode & 0o777
+        checks["registry_mode"] = os.stat(registry_path(qid)).st_mode & 0o777
         checks["dir_mode"] = os.stat(runtime_dir()).st_mode & 0o777
         for secret in ("", "not-the-secret"):
             try:
