@@ -20,6 +20,7 @@ import time
 import uuid
 
 import psutil
+from resources import process_kind
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -87,17 +88,8 @@ class CpuSampler:
 
     @staticmethod
     def ours(p):
-        if p.pid == os.getpid():
-            return BROKER
-        cmd = " ".join(p.info["cmdline"] or [])
-        if "org.apache.spark.deploy.SparkSubmit" in cmd:
-            return "JVM (Spark driver and executor)"
-        for needle, kind in (("spark_share.agent", "agent"), ("python_streaming_source_runner", "runner"),
-                             ("pyspark.daemon", "python workers"), ("pyspark/daemon", "python workers"),
-                             ("pyspark.worker", "python workers")):
-            if needle in cmd:
-                return kind
-        return None
+        kind = process_kind(p)
+        return {"driver": BROKER, "JVM": "JVM (Spark driver and executor)"}.get(kind, kind) if kind else None
 
     def _scan(self):
         for p in psutil.process_iter(["cmdline", "create_time"]):

@@ -18,6 +18,11 @@ AVAILABLE_NOW_EMPTY_RETRIES = 5
 # the policy assumes this until a lock expiry shows it is shorter.
 DEFAULT_LOCK_MS = 30_000
 LOCK_WARN_FRACTION = 0.8
+# After lock expiry lowered the records per consumer, this many batches in a row that held their
+# records for less than this fraction of the lock double it again: one slow batch (a pause, a
+# redeploy of the sink) must not leave a stream of tiny batches that can never catch up.
+GROW_AFTER_BATCHES = 10
+GROW_BELOW_FRACTION = 0.5
 
 Partition = tuple[str, int]
 
@@ -44,6 +49,7 @@ class BatchPolicy:
         self.closing = False
         # Records per slot that fit in the record lock; lowered whenever a batch's locks expire.
         self.lock_safe_records: int | None = None
+        self.batches_within_lock = 0  # in a row, since the last change of lock_safe_records
         self.lock_ms = float(DEFAULT_LOCK_MS)  # the record lock duration, as far as the source knows
 
     # --- AvailableNow ------------------------------------------------------------------------------
@@ -138,7 +144,8 @@ class BatchPolicy:
         self.redeliveries_due = max(0, self.redeliveries_due - redelivered)
 
     def acknowledged(self, b: BatchState) -> None:
-        """``b``'s acknowledgements are answered: count what comes back; shrink after lock expiry."""
+        """``b``'s acknowledgements are answered: count what comes back; shrink after lock expiry,
+        grow back once batches fit well within the lock again."""
         o = b.outcome
         if self.available_now_target is not None:
             self.redeliveries_due += o.released + o.failed + o.expired
@@ -151,6 +158,16 @@ class BatchPolicy:
             cap = max(1, biggest // 2)
             if self.lock_safe_records is None or cap < self.lock_safe_records:
                 self.lock_safe_records = cap
+            self.batches_within_lock = 0
+        elif self.lock_safe_records is not None and b.rows:
+            held = b.held_ms()
+            if held is None or held >= GROW_BELOW_FRACTION * self.lock_ms:
+                self.batches_within_lock = 0
+                return
+            self.batches_within_lock += 1
+            if self.batches_within_lock >= GROW_AFTER_BATCHES:
+                self.lock_safe_records *= 2
+                self.batches_within_lock = 0
 
     def close_to_lock(self, held_ms: float | None) -> bool:
         return held_ms is not None and held_ms > LOCK_WARN_FRACTION * self.lock_ms

@@ -51,6 +51,7 @@ class SessionPool:
         self._reserved: set[ShareSession] = set()
         self._prefetched: dict[ShareSession, Future] = {}  # session -> its poll that no read has claimed yet
         self._last_taken: dict[str, tuple[int, float]] = {}  # session id -> (batch, when) of its last poll
+        self.full_size: int | None = None  # max.poll.records of a session started without a budget
 
     def __len__(self) -> int:
         return len(self.sessions)
@@ -66,6 +67,8 @@ class SessionPool:
         time.sleep(max(0.0, settled - time.monotonic()))
         with self._lock:
             self.sessions.extend(sessions)
+            if max_poll_records is None and sessions:
+                self.full_size = sessions[0].max_poll_records
         log.info("%s: %d share sessions (max.poll.records %s) joined the group", self.name, n,
                  sessions[0].max_poll_records if sessions else "-")
 
@@ -82,22 +85,10 @@ class SessionPool:
 
         When the tracker lowers the batch size (after lock expiry), every free session is replaced
         by one with a smaller max.poll.records, all at once: trimming a bigger poll would mean
-        releasing the excess, and every release counts as a delivery."""
+        releasing the excess, and every release counts as a delivery. When it raises it again,
+        sessions smaller than the new size are replaced the same way."""
         with self._resize_lock:
-            with self._lock:
-                free = self._free()
-                if max_records is not None and any(s.max_poll_records > max_records for s in free):
-                    for s in free:
-                        self.sessions.remove(s)
-                        self._last_taken.pop(s.session_id, None)
-                    stale = free
-                    free = []
-                else:
-                    stale = []
-            if stale:
-                wait_futures([s.close() for s in stale], timeout=30)
-                self.start(len(stale), max_records)
-                log.info("%s: batch size lowered: polls now take at most %d records", self.name, max_records)
+            self._resize(max_records)
             with self._lock:
                 fits = [s for s in self._prefetched if s not in self._reserved] + self._free(max_records)
                 if fits:
@@ -111,11 +102,41 @@ class SessionPool:
         log.info("%s: started share session %s", self.name, s.session_id)
         return s, None
 
+    def _size_for(self, max_records: int | None) -> int | None:
+        """max.poll.records of a session for reads with this budget (None: any size will do)."""
+        if max_records is None:
+            return self.full_size
+        return max_records if self.full_size is None else min(max_records, self.full_size)
+
+    def _resize(self, max_records: int | None) -> None:
+        """Replace every free session whose polls are bigger than the budget; or, when every session
+        is free, smaller than it may now be. Call with ``_resize_lock`` held.
+
+        Growing waits until no session holds records: on the embedded broker a member joining ends
+        the other members' share sessions, and what they hold would be delivered again."""
+        want = self._size_for(max_records)
+        if want is None:
+            return
+        with self._lock:
+            free = self._free()
+            shrink = any(s.max_poll_records > want for s in free)
+            grow = len(free) == len(self.sessions) and any(s.max_poll_records < want for s in free)
+            if not (shrink or grow):
+                return
+            for s in free:
+                self.sessions.remove(s)
+                self._last_taken.pop(s.session_id, None)
+        wait_futures([s.close() for s in free], timeout=30)
+        self.start(len(free), None if want == self.full_size else want)
+        log.info("%s: batch size changed: polls now take at most %d records", self.name, want)
+
     def prefetch(self, batch: int, count: int, max_records: int | None, poll_timeout_ms: int) -> int:
         """Start the polls of ``batch`` on up to ``count`` free sessions now, while Spark still
         writes its offsets and schedules the read tasks: the reads then find them done or under
         way. A poll no read of this batch claims is claimed by the next one (its records stay
         held until then, and are released if the query stops)."""
+        with self._resize_lock:
+            self._resize(max_records)
         with self._lock:
             chosen = sorted(self._free(max_records), key=lambda s: self._poll_order(s, batch))[:count]
             for s in chosen:

@@ -4,7 +4,8 @@ Owns: a confluent-kafka ``ShareConsumer`` and the records it has acquired but no
 acknowledged (at most one poll's worth, which the client requires). Work arrives as commands
 (poll, acknowledge, close) on a queue and runs in order on the session's own thread, so an
 acknowledgement queued before the next poll is always sent first. librdkafka's statistics (group
-state, fetches sent) tell an empty poll when it can stop waiting.
+state, fetches sent) tell an empty poll when it can stop waiting; while no command comes, the
+session thread serves them anyway (``IDLE_SERVE_S``), so they do not pile up in an idle session.
 
 Must never: poll while it holds unacknowledged records, acknowledge a record it did not acquire,
 or be touched from another thread (the client is not thread-safe).
@@ -28,6 +29,19 @@ log = logging.getLogger("spark_share.session")
 POLL_SLICE_S = 0.05  # how often an empty poll looks at the fetch state
 STATS_INTERVAL_MS = "100"  # how often librdkafka reports the group and fetch state an empty poll ends on
 ERR_INVALID_RECORD_STATE = 121  # the lock expired (or the record is no longer acquired by us)
+# A consumer not polled for max.poll.interval.ms (5 min by default: a long trigger, a session the
+# pool did not need) leaves the group; its next poll raises this once, and the poll after rejoins.
+ERR_MAX_POLL_EXCEEDED = -147
+# librdkafka queues a statistics op (a ~10 KB JSON text) every STATS_INTERVAL_MS on the consumer's
+# queue, and only a call on the consumer serves (and frees) it: a session nobody polls for a long
+# time (a long processingTime trigger, an idle host) grew by about 0.5 GB an hour. A session that
+# has served nothing for IDLE_SERVE_S serves the queue with commit_async(): it acquires nothing
+# (unlike poll(), which hands out what librdkafka fetched), and sends nothing when no acknowledgement
+# is pending (every command commits its own; only one whose commit_sync failed leaves some, which
+# the next poll would send too), even while the session holds records; it runs the queued callbacks
+# on the session thread, as poll() does. At most about IDLE_SERVE_S * 1000 / STATS_INTERVAL_MS
+# statistics wait at any time.
+IDLE_SERVE_S = 1.0
 
 
 @dataclass
@@ -51,7 +65,7 @@ class ShareSession:
     """A share consumer with its own thread. Methods return Futures."""
 
     def __init__(self, session_id: str, conf: dict[str, str], topics: list[str], include_headers: bool,
-                 scrub: Callable[[str], str] = lambda s: s):
+                 scrub: Callable[[str], str] = lambda s: s, idle_serve_s: float = IDLE_SERVE_S):
         from confluent_kafka import ShareConsumer
 
         self.session_id = session_id
@@ -65,6 +79,10 @@ class ShareSession:
         self._closed = False
         self.max_poll_records = int(conf.get("max.poll.records", 500))
         self._stats: tuple[float, str] = (0.0, "")  # (when, text) of librdkafka's latest statistics
+        self._idle_serve_s = idle_serve_s
+        self._idle_served_at = time.monotonic()  # the last time the idle session served librdkafka's queue
+        self.idle_serves = 0
+        self._consumer_closed = False
         self._acks_queued = 0
         self._acks_lock = threading.Lock()
         client_conf: dict[str, Any] = dict(conf)
@@ -86,7 +104,8 @@ class ShareSession:
         return self.holding is not None and not self._acks_queued
 
     def _on_stats(self, text: str) -> None:
-        # Served inside poll(); parsed only when an empty poll looks at it.
+        # Served inside poll() (or commit_sync/commit_async, see _serve_idle); parsed only when an
+        # empty poll looks at it.
         self._stats = (time.monotonic(), text)
 
     def _fetch_state(self, since: float) -> tuple[bool, dict[str, int]] | None:
@@ -121,7 +140,11 @@ class ShareSession:
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=self._idle_wait())
+            except queue.Empty:
+                self._serve_idle()
+                continue
             if item is None:
                 return
             fn, fut = item
@@ -166,6 +189,23 @@ class ShareSession:
         return fut
 
     # on the session thread ----------------------------------------------------------------
+    def _idle_wait(self) -> float:
+        """How long the session may wait for a command before it serves librdkafka's queue: until
+        IDLE_SERVE_S after it was last served (statistics came, or the idle session served it)."""
+        last = max(self._stats[0], self._idle_served_at)
+        return max(0.0, last + self._idle_serve_s - time.monotonic())
+
+    def _serve_idle(self) -> None:
+        """Serve the statistics queued while no command came (see IDLE_SERVE_S), without polling."""
+        self._idle_served_at = time.monotonic()
+        if self._consumer_closed:
+            return
+        self.idle_serves += 1
+        try:
+            self.consumer.commit_async()
+        except Exception as e:  # closed underneath, or the client refuses: the next command will say
+            log.debug("session %s: serving the idle consumer failed: %s", self.session_id, self._scrub(str(e)))
+
     def _drained(self, started: float, base: dict[str, int]) -> bool:
         """Has every broker this consumer fetches from answered a fetch sent after the poll began?
         ``base`` holds the first counts seen after it began. A consumer in the group with no
@@ -194,9 +234,18 @@ class ShareSession:
         deadline = started + timeout_ms / 1000.0
         base: dict[str, int] = {}
         msgs: list = []
+        rejoining = False
         while True:
             left = max(0.0, deadline - time.monotonic())
-            msgs = list(self.consumer.poll(min(left, POLL_SLICE_S)))
+            try:
+                msgs = list(self.consumer.poll(min(left, POLL_SLICE_S)))
+            except Exception as e:
+                if _error_code(e)[0] != ERR_MAX_POLL_EXCEEDED or rejoining:
+                    raise
+                log.info("session %s: left the group after max.poll.interval.ms without a poll; rejoining",
+                         self.session_id)
+                rejoining = True
+                continue
             if msgs or time.monotonic() >= deadline or self._drained(started, base):
                 break
         good = [m for m in msgs if m.error() is None]
@@ -281,4 +330,5 @@ class ShareSession:
 
     def _close(self) -> None:
         self.holding = None
+        self._consumer_closed = True
         self.consumer.close()

@@ -1,6 +1,6 @@
 """The batch policy alone: when a batch runs, how big it may be, when AvailableNow ends (no Spark, no Kafka)."""
 from spark_share.batches import AckOutcome, BatchState
-from spark_share.policy import AVAILABLE_NOW_EMPTY_RETRIES, DEFAULT_LOCK_MS, BatchPolicy
+from spark_share.policy import AVAILABLE_NOW_EMPTY_RETRIES, DEFAULT_LOCK_MS, GROW_AFTER_BATCHES, BatchPolicy
 
 
 def batch(n, rows_by_partition=None, slots=2, max_records=None, **outcome) -> BatchState:
@@ -129,3 +129,31 @@ def test_lock_expiry_halves_what_a_consumer_may_take_and_learns_the_lock():
     assert p.lock_safe_records == 50, "only ever lowered"
     assert p.close_to_lock(11_000) and not p.close_to_lock(5_000)
     assert p.headroom_ms(2_500.0) == 10_000.0
+
+
+def test_after_lock_expiry_batches_that_fit_well_within_the_lock_grow_back():
+    p = BatchPolicy(num_slots=2, idle_probe_ms=10_000)
+    slow = batch(0, [(0, 399), (0, 399)], expired=800)
+    slow.acked_at = 100.0 + 40  # one slow batch (a pause in the sink): 40 s, the lock is 30 s
+    p.acknowledged(slow)
+    assert p.lock_safe_records == 200
+
+    def fits(n, held_s):
+        b = batch(n, [(0, 199), (0, 199)])
+        b.acked_at = 100.0 + held_s
+        p.acknowledged(b)
+
+    for n in range(1, GROW_AFTER_BATCHES):
+        fits(n, held_s=1.0)
+    assert p.lock_safe_records == 200, "not before enough batches fitted"
+    fits(GROW_AFTER_BATCHES, held_s=20.0)  # more than half the lock: the count starts again
+    for n in range(GROW_AFTER_BATCHES):
+        fits(100 + n, held_s=1.0)
+    assert p.lock_safe_records == 400
+    for n in range(GROW_AFTER_BATCHES):
+        fits(200 + n, held_s=1.0)
+    assert p.lock_safe_records == 800, "doubles again while batches keep fitting"
+    empty = batch(300, [])
+    for _ in range(3 * GROW_AFTER_BATCHES):
+        p.acknowledged(empty)
+    assert p.lock_safe_records == 800, "empty batches say nothing about the lock"

@@ -40,3 +40,50 @@ def test_busy_and_reserved_sessions_are_skipped():
     a.give_back(first)
     # Only a session already used in this batch is free: it is reused rather than a new one started.
     assert a.take(0, None)[0] is first
+
+
+class SizedSession(FakeSession):
+    def __init__(self, n, size):
+        super().__init__(n)
+        self.max_poll_records = size
+        self.closed = False
+
+    def close(self):
+        from concurrent.futures import Future
+
+        self.closed = True
+        f = Future()
+        f.set_result(None)
+        return f
+
+
+def sized_pool(monkeypatch, full=1000):
+    monkeypatch.setattr("spark_share.pool.JOIN_SETTLE_S", 0.0)
+    made = []
+
+    def new(max_poll_records):
+        made.append(SizedSession(len(made), max_poll_records or full))
+        return made[-1]
+
+    pool = SessionPool(new_session=new, name="test")
+    pool.start(2)
+    return pool, made
+
+
+def test_sessions_shrink_with_the_budget_and_grow_back_only_when_none_holds_records(monkeypatch):
+    pool, made = sized_pool(monkeypatch)
+    assert pool.full_size == 1000
+    s, _ = pool.take(0, 200)  # lowered after lock expiry: every free session is replaced at once
+    assert s.max_poll_records == 200 and [m.closed for m in made[:2]] == [True, True]
+    assert {x.max_poll_records for x in pool.sessions} == {200}
+    s.busy = True  # holds batch 0's records
+    pool.give_back(s)
+    other, _ = pool.take(1, 400)
+    assert other.max_poll_records == 200, "no growing while a session holds records"
+    pool.give_back(other)
+    s.busy = False
+    grown, _ = pool.take(2, 400)
+    assert grown.max_poll_records == 400 and {x.max_poll_records for x in pool.sessions} == {400}
+    pool.give_back(grown)
+    full, _ = pool.take(3, None)
+    assert full.max_poll_records == 1000, "back to the configured size"

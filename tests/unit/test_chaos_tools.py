@@ -1,0 +1,65 @@
+"""The chaos run's own judges (jobs/chaos.py, jobs/resources.py): a leak fails the growth verdict
+while steps and noise do not; a duplicate with no fault before it is unexplained; the schedule is
+the seed's alone."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from chaos import FAULTS, Fault, explain_duplicates, schedule
+from resources import KINDS, growth_verdict, theil_sen
+
+
+def samples(rss_of_t, n=60, every=5.0):
+    out = []
+    for i in range(n):
+        t = i * every
+        kinds = {k: {"n": 1, "rss_mib": 100.0, "fds": 20, "threads": 10, "sockets": 5} for k in KINDS}
+        kinds["agent"]["rss_mib"] = rss_of_t(t)
+        out.append({"t": t, "kinds": kinds, "runtime_files": 5, "runtime_bytes": 300, "log_bytes": 1000 + 50 * i,
+                    "checkpoint_files": 80})
+    return out
+
+
+def grows(s, warmup=30.0):
+    return {v.name for v in growth_verdict(s, warmup) if v.grows}
+
+
+def test_a_leak_fails_the_verdict():
+    assert grows(samples(lambda t: 100 + 0.5 * t)) == {"agent rss_mib"}  # 0.5 MiB/s
+
+
+def test_noise_one_step_and_a_restart_do_not():
+    rnd = random.Random(3)
+    assert grows(samples(lambda t: 100 + rnd.uniform(-20, 20))) == set()
+    assert grows(samples(lambda t: 100 if t < 150 else 130)) == set(), "one step up (a session started)"
+    assert grows(samples(lambda t: 150 if 100 < t < 110 else 100)) == set(), "a spike"
+    assert grows(samples(lambda t: 100 + (t % 100) * 0.2)) == set(), "a sawtooth: a process killed and restarted"
+
+
+def test_too_few_samples_after_warm_up_is_an_error():
+    with pytest.raises(ValueError, match="too few"):
+        growth_verdict(samples(lambda t: 100, n=8), warmup_s=30)
+
+
+def test_theil_sen_ignores_an_outlier():
+    assert theil_sen([0, 1, 2, 3, 4], [0, 1, 100, 3, 4]) == pytest.approx(1.0)
+
+
+def test_the_schedule_is_the_seeds_and_deals_every_kind():
+    a, b = schedule(7, 600, 12), schedule(7, 600, 12)
+    assert [(f.at, f.kind, f.duration, f.errors) for f in a] == [(f.at, f.kind, f.duration, f.errors) for f in b]
+    assert [f.at for f in schedule(8, 600, 12)] != [f.at for f in a]
+    assert {f.kind for f in a[:len(FAULTS)]} == set(FAULTS)
+    assert all(0 < f.at < 600 for f in a)
+
+
+def test_a_duplicate_needs_a_fault_before_it():
+    fault = Fault(at=10, kind="kill_agent", started=1000.0, ended=1000.0, outcome="killed agent")
+    near = {1: [(1005.0, 1006.0, "batch 3"), (1012.0, 1013.0, "batch 4")]}
+    far = {2: [(1100.0, 1101.0, "batch 30"), (1102.0, 1103.0, "batch 31")]}
+    before = {3: [(990.0, 991.0, "batch 1"), (999.0, 999.5, "batch 2")]}  # repeated before the fault
+    combos, unexplained = explain_duplicates({**near, **far, **before}, [fault], lock_s=6.0)
+    assert dict(combos) == {"kill_agent": 1} and sorted(unexplained) == [2, 3]
+    skipped = Fault(at=10, kind="kill_agent", started=1000.0, ended=1000.0, outcome="no agent process to kill")
+    assert explain_duplicates(near, [skipped], lock_s=6.0)[1] == [1], "a fault that did nothing explains nothing"

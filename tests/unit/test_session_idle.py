@@ -1,0 +1,81 @@
+"""An idle share session serves librdkafka's queue (statistics) on its own thread without polling
+(issue 16): a fake ShareConsumer records which calls it gets, and from which thread."""
+from __future__ import annotations
+
+import threading
+
+import confluent_kafka
+import pytest
+
+from spark_share import session as session_mod
+from support import wait_until
+
+
+class FakeShareConsumer:
+    def __init__(self, conf):
+        self.conf = conf
+        self.calls: list[tuple[str, str]] = []  # (method, thread name)
+        self.closed = False
+
+    def _call(self, name):
+        self.calls.append((name, threading.current_thread().name))
+
+    def subscribe(self, topics):
+        self._call("subscribe")
+
+    def poll(self, timeout=-1):
+        self._call("poll")
+        return []
+
+    def commit_async(self):
+        assert not self.closed, "served after close"
+        self._call("commit_async")
+        # What librdkafka does inside the call: run the queued statistics callbacks.
+        self.conf["stats_cb"]('{"ts": 0, "replyq": 0}')
+
+    def close(self):
+        self._call("close")
+        self.closed = True
+
+    def count(self, name):
+        return sum(1 for n, _ in self.calls if n == name)
+
+
+@pytest.fixture
+def fake_consumer(monkeypatch):
+    made: list[FakeShareConsumer] = []
+
+    def factory(conf):
+        made.append(FakeShareConsumer(conf))
+        return made[-1]
+    monkeypatch.setattr(confluent_kafka, "ShareConsumer", factory)
+    return made
+
+
+def test_an_idle_session_serves_the_queue_on_its_thread_without_polling(fake_consumer):
+    s = session_mod.ShareSession("idle", {"group.id": "g"}, ["t"], False, idle_serve_s=0.05)
+    try:
+        c = fake_consumer[0]
+        assert c.conf["statistics.interval.ms"] == session_mod.STATS_INTERVAL_MS and c.conf["stats_cb"]
+        wait_until(lambda: c.count("commit_async") >= 3, timeout=10, message="the idle session never served its queue")
+        assert c.count("poll") == 0, "an idle session must not poll: a poll hands out records no batch asked for"
+        assert {t for n, t in c.calls if n == "commit_async"} == {"share-session-idle"}
+        assert s.idle_serves >= 3
+    finally:
+        s.close().result(timeout=10)
+    served = c.count("commit_async")
+    s._thread.join(timeout=10)
+    assert not s._thread.is_alive() and c.calls[-1][0] == "close"
+    assert c.count("commit_async") == served
+
+
+def test_a_failing_serve_does_not_end_the_session_thread(fake_consumer, monkeypatch):
+    monkeypatch.setattr(FakeShareConsumer, "commit_async", lambda self: (self._call("commit_async"), 1 / 0))
+    s = session_mod.ShareSession("failing", {"group.id": "g"}, ["t"], False, idle_serve_s=0.05)
+    try:
+        c = fake_consumer[0]
+        wait_until(lambda: c.count("commit_async") >= 2, timeout=10, message="the idle session never served its queue")
+        rb, _ = s.poll(0, 0, None, 0).result(timeout=10)
+        assert rb.num_rows == 0 and c.count("poll") >= 1
+    finally:
+        s.close().result(timeout=10)
