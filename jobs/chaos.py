@@ -387,7 +387,9 @@ def main(argv=None) -> int:
             stdin=subprocess.PIPE, stdout=query_log, stderr=subprocess.STDOUT, env=env)
         sampler = resources.ResourceSampler(query.pid, runtime, os.path.join(out, "checkpoint"),
                                             interval=args.sample_every,
-                                            extra_logs=(os.path.join(out, "query.log"),)).start()
+                                            extra_logs=(os.path.join(out, "query.log"),),
+                                            py4j_counts=os.path.join(out, "py4j.json"),
+                                            query_events=os.path.join(out, "query-events.jsonl")).start()
         t0 = time.time()
         operator = Operator(kafka, query, runtime, faults, args.seed, t0)
         try:
@@ -467,6 +469,9 @@ def main(argv=None) -> int:
         "rss_mib": {k: {"after_warmup": round(resources.at(samples, warmup)["kinds"][k]["rss_mib"], 1),
                         "end": round(samples[-1]["kinds"][k]["rss_mib"], 1)} for k in resources.KINDS},
         "log_bytes": {"after_warmup": resources.at(samples, warmup)["log_bytes"], "end": samples[-1]["log_bytes"]},
+        # pyspark's pinned-thread py4j keeps a connection and a thread per finished query run (see
+        # resources.series): reported here, judged apart from the driver's own threads and sockets.
+        "py4j_connections_end": samples[-1].get("py4j_connections"),
     })
     problems = []
     if lost:
@@ -506,6 +511,9 @@ def main(argv=None) -> int:
     for v in verdicts:
         if not v.name.endswith(" n") or v.grows:
             print("  " + v.line())
+    if report["py4j_connections_end"] is not None:
+        print(f"py4j callback connections kept by the driver at the end: {report['py4j_connections_end']} "
+              f"(pyspark's pinned threads: one per query run; {report['query_runs']} runs)")
     print("RSS MiB after warm-up -> end: " + ", ".join(
         f"{k} {v['after_warmup']} -> {v['end']}" for k, v in report["rss_mib"].items()))
     if problems:
@@ -564,6 +572,16 @@ def query_main(argv) -> int:
         stop.set()
 
     threading.Thread(target=commands, name="commands", daemon=True).start()
+
+    def count_py4j():  # for the sampler: connections py4j keeps for JVM threads (see resources.series)
+        callback = spark.sparkContext._gateway._callback_server
+        path = os.path.join(args.out, "py4j.json")
+        while not stop.wait(1.0):
+            with open(path + ".tmp", "w") as f:
+                json.dump({"py4j_connections": len(list(callback.connections))}, f)
+            os.replace(path + ".tmp", path)
+
+    threading.Thread(target=count_py4j, name="py4j-count", daemon=True).start()
 
     def take(what: str) -> bool:
         with lock:

@@ -63,3 +63,17 @@ def test_a_duplicate_needs_a_fault_before_it():
     assert dict(combos) == {"kill_agent": 1} and sorted(unexplained) == [2, 3]
     skipped = Fault(at=10, kind="kill_agent", started=1000.0, ended=1000.0, outcome="no agent process to kill")
     assert explain_duplicates(near, [skipped], lock_s=6.0)[1] == [1], "a fault that did nothing explains nothing"
+
+
+def test_what_spark_keeps_per_query_run_is_judged_apart():
+    s = samples(lambda t: 100)
+    for i, x in enumerate(s):  # a query run every 10 s, each leaving py4j a connection and its thread
+        x["kinds"]["driver"]["threads"] += i // 2
+        x["kinds"]["driver"]["sockets"] += i // 2
+    assert grows(s) == {"driver threads", "driver sockets"}, "growth with no query runs to explain it fails"
+    for i, x in enumerate(s):
+        x["query_runs"] = 1 + i // 2
+    assert grows(s) == set()
+    for i, x in enumerate(s):
+        x["kinds"]["driver"]["threads"] += i  # twice as fast as the runs: a leak of its own
+    assert grows(s) == {"driver threads"}
