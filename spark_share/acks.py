@@ -53,8 +53,13 @@ class Acknowledger:
             rejects = [[t, p, o, r] for (t, p, o), (k, r) in b.verdicts.items() if k == REJECT]
         timeout_s = self.opts.ack_timeout_ms / 1000.0
         failure = None
+        per_agent = {a: verdicts for a in conns}
         if default == ACCEPT and rejects and self.opts.dead_letter:
-            why = self._write_dead_letters(b, conns, rejects)
+            why, written = self._write_dead_letters(b, conns, rejects)
+            # An agent REJECTs only what it wrote as a dead letter itself; a REJECT it did not write
+            # becomes a RELEASE (never the default ACCEPT: the application did not take the record).
+            per_agent = {a: [v if v[3] != REJECT or (v[0], v[1], v[2]) in written.get(a, set())
+                             else [v[0], v[1], v[2], RELEASE] for v in verdicts] for a in conns}
             if why:
                 # Nothing of this batch is acknowledged: every record comes back. The query then fails:
                 # going on would cycle records towards the broker's delivery limit, which archives them.
@@ -67,7 +72,7 @@ class Acknowledger:
                            f"batch {b.spark_batch if b.spark_batch is not None else b.batch} was acknowledged; "
                            "its records were released and come back when the query is restarted after the "
                            "target is fixed")
-                default, verdicts = RELEASE, []
+                default, per_agent = RELEASE, {a: [] for a in conns}
         sent = {}
         for agent_id, conn in conns.items():
             if conn is None:
@@ -76,7 +81,7 @@ class Acknowledger:
             try:
                 # Returns once the agent has queued the acknowledgement on each consumer, ahead of
                 # any later poll of it: the broker's answers are collected off Spark's path.
-                call(conn, Ack(b.batch, default, verdicts, timeout_s), timeout=timeout_s + 10)
+                call(conn, Ack(b.batch, default, per_agent[agent_id], timeout_s), timeout=timeout_s + 10)
                 sent[agent_id] = conn
             except ConnectionError:  # the agent went away: the broker releases what it held
                 self._count_failed(b, agent_id, AGENT_LOST)
@@ -116,29 +121,33 @@ class Acknowledger:
             self._finished(b, default)
         log_batch(b, self.opts.group_id, self.policy)
 
-    def _write_dead_letters(self, b: BatchState, conns: dict, rejects: list[list]) -> str | None:
-        """Each live agent writes the rejected records it holds to the dead-letter target. An agent that
-        is gone wrote nothing and acknowledges nothing: its records come back from the broker (counted
-        failed), to be rejected again then. Returns why a write failed, or None."""
+    def _write_dead_letters(self, b: BatchState, conns: dict,
+                            rejects: list[list]) -> tuple[str | None, dict[str, set[tuple[str, int, int]]]]:
+        """Each live agent writes the rejected records it holds to the dead-letter target: every agent
+        that holds one, when two do (the broker gave a lost agent's records to another in the same
+        batch; only the live one's REJECT counts). An agent that is gone wrote nothing and
+        acknowledges nothing: its records come back from the broker (counted failed), to be rejected
+        again then. Returns (why a write failed or None, agent -> the records it wrote)."""
         held: dict[str, list] = {}
         with self._lock:
             for r in rejects:
-                agent_id = b.holder(r[0], int(r[1]), int(r[2]))
-                if agent_id is not None:
+                for agent_id in b.holders(r[0], int(r[1]), int(r[2])):
                     held.setdefault(agent_id, []).append(r)
         futs = {a: call_async(conns[a], DeadLetter(b.batch, mine)) for a, mine in held.items()
                 if conns.get(a) is not None}
+        written: dict[str, set[tuple[str, int, int]]] = {}
         for agent_id, f in futs.items():
             try:
                 rep, _ = f.result(timeout=120)
             except ConnectionError:
                 continue  # lost meanwhile: its acknowledgement fails too, its records come back
             except Exception as e:
-                return f"writing dead letters failed on {agent_id}: {scrub(str(e), self._secrets)}"
-            if int(rep["written"]) != len(held[agent_id]):
+                return f"writing dead letters failed on {agent_id}: {scrub(str(e), self._secrets)}", written
+            if int(rep["written"]) < len(held[agent_id]):  # more: it holds a record in two slots
                 return (f"only {rep['written']} of the {len(held[agent_id])} rejected records held by {agent_id} were "
-                        "found to write as dead letters")
-        return None
+                        "found to write as dead letters"), written
+            written[agent_id] = {(t, int(p), int(o)) for t, p, o, _ in held[agent_id]}
+        return None, written
 
 
 def log_batch(b: BatchState, group_id: str, policy: BatchPolicy) -> None:

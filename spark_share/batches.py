@@ -75,13 +75,15 @@ class BatchState:
                     out[k] = min(runs[0][0], out.get(k, runs[0][0]))
         return out
 
-    def holder(self, topic: str, partition: int, offset: int) -> str | None:
-        """The agent that acquired this record in this batch, or None."""
+    def holders(self, topic: str, partition: int, offset: int) -> list[str]:
+        """The agents that acquired this record in this batch. Usually one; two when an agent was lost
+        mid-batch and the broker handed its records to another agent for another slot."""
+        out = []
         for a in self.acquired.values():
             for lo, hi in a.get("offsets", {}).get(topic, {}).get(str(partition), ()):
-                if lo <= offset <= hi:
-                    return a["agent"]
-        return None
+                if lo <= offset <= hi and a["agent"] not in out:
+                    out.append(a["agent"])
+        return out
 
     def rows_held_by(self, agent_id: str) -> int:
         return sum(a["rows"] for a in self.acquired.values() if a["agent"] == agent_id)

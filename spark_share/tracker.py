@@ -260,7 +260,7 @@ class Tracker:
                                  "batch being processed in foreachBatch")
             batch = spark_batch
             keys = [(t, int(p), int(o)) for t, p, o in m.records]
-            foreign = [k for k in keys if b.holder(*k) is None]
+            foreign = [k for k in keys if not b.holders(*k)]
             if foreign:
                 raise ValueError(f"{len(foreign)} of {len(keys)} rows are not from batch {batch} of this query, e.g. "
                                  + ", ".join(f"{t}-{p}@{o}" for t, p, o in foreign[:5]))

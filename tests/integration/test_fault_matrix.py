@@ -801,6 +801,32 @@ def test_row17_agent_lost_while_a_batch_with_rejects_commits(kafka, tmp_path):
         t.shutdown()
 
 
+def test_row18_a_rejected_record_two_agents_held_is_dead_lettered_by_the_live_one(kafka, tmp_path):
+    """Found by the 60-minute chaos run (11 records lost): an agent is killed mid-batch after its slot
+    was read; the broker hands the records it held to another agent, which reads them for another
+    slot of the same batch; the application rejects them. The tracker asked only the first holder
+    (the lost agent) to write the dead letters, and the live one REJECTed them unwritten. Now every
+    live holder writes them, and an agent REJECTs only what it wrote itself."""
+    t = tracker(kafka, "twice", deadLetterPath=str(tmp_path / "dlq"))
+    lost, live = StubAgent("lost"), StubAgent("live")
+    t.agents["live"] = live
+    try:
+        t.plan(0, None)
+        acquired(t, lost, 0, 0, "twice", 0, 0, 9)  # read first, then its agent was killed
+        acquired(t, live, 0, 1, "twice", 0, 0, 9)  # the same records, released by the broker, read again
+        t.batches[0].verdicts.update({("twice", 0, 3): (REJECT, "bad")})
+        t.batch_committed(0)
+        assert t.failure is None
+        dead = [r for r in live.sent if r["op"] == "deadletter"]
+        assert [d["records"] for d in dead] == [[["twice", 0, 3, "bad"]]], "the live holder must write it"
+        ack = next(r for r in live.sent if r["op"] == "ack")
+        assert ack["default"] == ACCEPT and ["twice", 0, 3, REJECT] in ack["verdicts"]
+        assert t.batches[0].outcome.errors == {AGENT_LOST: 10}
+    finally:
+        t.agents.clear()
+        t.shutdown()
+
+
 # --- tracker: which reads may acquire, and what a lost agent means ------------------------------------
 def test_reads_of_batches_this_run_cannot_serve_are_refused(kafka):
     t = tracker(kafka, "refused")
