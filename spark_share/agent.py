@@ -91,7 +91,7 @@ class Agent:
         self._inflight: dict[tuple[int, int], threading.Event] = {}
         self._session_seq = 0
         self.done = threading.Event()
-        self.tracker = wire.connect(tuple(tracker_addr), secret, handler=dispatcher(self, self.FROM_TRACKER, TRACKER_TO_AGENT),
+        self.tracker = _connect_tracker(tracker_addr, secret, handler=dispatcher(self, self.FROM_TRACKER, TRACKER_TO_AGENT),
                                     on_close=lambda _c: self._tracker_lost(), name="agent-tracker",
                                     scrub=self._scrub)
         hello, _ = call(self.tracker, Hello(self.agent_id, socket.gethostname(), os.getpid()), timeout=30)
@@ -306,6 +306,20 @@ class Agent:
             self._deadletters.close()
         self.tracker.close()
         self.done.set()
+
+
+def _connect_tracker(tracker_addr, secret: str, **kwargs) -> wire.RpcConnection:
+    """The connection to the query's tracker on the driver, or an error a user can act on."""
+    host, port = tracker_addr
+    try:
+        return wire.connect((host, port), secret, **kwargs)
+    except (OSError, ConnectionError) as e:
+        shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        raise ConnectionError(
+            f"executor {socket.gethostname()} cannot reach the spark-share tracker on the driver at {shown} "
+            f"({type(e).__name__}: {e}). Executors must reach the driver on this address and port: set "
+            "spark.driver.host (or SPARK_SHARE_BIND_HOST on the driver) to an address they can reach, and the "
+            "source option 'trackerPort' to a port or range your firewall opens") from None
 
 
 def main() -> None:

@@ -31,6 +31,7 @@ SOURCE_OPTIONS: dict[str, tuple[str | None, str]] = {
     "deadLetterTopic": (None, "Kafka topic (same cluster) where rejected records are written before their REJECT"),
     "deadLetterPath": (None, "Parquet table path where rejected records are written before their REJECT"),
     "maxDeliveryCount": (None, "records delivered this many times are rejected to the dead-letter target before reaching your code"),
+    "trackerPort": ("0", "port (N) or port range (N-M) where the driver side listens for executors; 0: any free port"),
 }
 
 # Spark Kafka source options that mean nothing for a share group, with what to do instead.
@@ -112,6 +113,21 @@ def _bool(name: str, raw: str) -> bool:
     raise OptionError(f"option '{name}' must be true or false, got {raw!r}")
 
 
+def _port_range(raw: str) -> tuple[int, int]:
+    """'0' (any), 'N' or 'N-M' -> (first, last)."""
+    text = str(raw).strip()
+    lo, sep, hi = text.partition("-")
+    try:
+        first, last = int(lo), int(hi if sep else lo)
+    except ValueError:
+        raise OptionError(f"option 'trackerPort' must be a port (e.g. 40100) or a range (e.g. 40100-40199), "
+                          f"got {raw!r}") from None
+    if not (0 <= first <= last <= 65535) or (first == 0 and last != 0):
+        raise OptionError(f"option 'trackerPort' = {raw!r}: give 0 (any free port), a port between 1 and 65535, "
+                          "or a range N-M with N <= M")
+    return first, last
+
+
 @dataclass(frozen=True)
 class ShareSourceOptions:
     bootstrap_servers: str
@@ -126,6 +142,7 @@ class ShareSourceOptions:
     dead_letter_topic: str | None = None
     dead_letter_path: str | None = None
     max_delivery_count: int | None = None
+    tracker_ports: tuple[int, int] = (0, 0)  # first and last port the tracker may listen on; (0, 0): any
     # kafka.* options other than bootstrap servers and group id, prefix removed.
     kafka: dict[str, str] = field(default_factory=dict)
 
@@ -242,5 +259,6 @@ def parse_options(options: Mapping[str, str]) -> ShareSourceOptions:
         dead_letter_topic=dlt,
         dead_letter_path=dlp,
         max_delivery_count=max_delivery,
+        tracker_ports=_port_range(given.get("trackerPort", "0")),
         kafka=kafka,
     )

@@ -88,6 +88,10 @@ def _bind_host() -> str:
     return "127.0.0.1"
 
 
+def _port_text(ports: tuple[int, int]) -> str:
+    return str(ports[0]) if ports[0] == ports[1] else f"{ports[0]}-{ports[1]}"
+
+
 class Tracker:
     HANDLERS = {Hello: "_hello", Claim: "_claim", Acquired: "_acquired", Fetch: "_relay",
                 Committed: "_committed", Verdicts: "_verdicts", Status: "_status"}
@@ -118,16 +122,15 @@ class Tracker:
             raise
         try:
             check_target(opts, self.metadata.client)
+            # No agent knows the address before this constructor returns: nothing is served early.
+            self.server = self._listen(_bind_host())
         except BaseException:
             self.metadata.close()
             runtime.stop_logging_to(self._log_file)
             raise
+        self.address = self.server.address
         self.policy.num_slots = opts.num_partitions or max(1, len(self.metadata.partitions))
         self.acks = Acknowledger(opts, self.policy, self._lock, self.agents, self._acknowledged)
-        self.server = wire.RpcServer((_bind_host(), 0), self.secret, dispatcher(self, self.HANDLERS, TO_TRACKER),
-                                     name="tracker", on_close=self._conn_closed,
-                                     scrub=lambda s: scrub(s, self._secrets))
-        self.address = self.server.address
         self.totals = AckOutcome()
         self.total_acquired = 0
         # Spark has committed every batch up to here (it said so through latestOffset, commit or the
@@ -144,6 +147,20 @@ class Tracker:
             return self.batches[max(self.batches)] if self.batches else None
 
     # requests from agents and the user's process ----------------------------------------
+    def _listen(self, host: str) -> wire.RpcServer:
+        """Listen for agents on ``host``, on a port of the option 'trackerPort' (any free one by default)."""
+        first, last = self.opts.tracker_ports
+        error: OSError | None = None
+        for port in range(first, last + 1):
+            try:
+                return wire.RpcServer((host, port), self.secret, dispatcher(self, self.HANDLERS, TO_TRACKER),
+                                      name="tracker", on_close=self._conn_closed,
+                                      scrub=lambda s: scrub(s, self._secrets))
+            except OSError as e:  # taken: try the next one
+                error = e
+        raise SourceError(f"option 'trackerPort' = {_port_text(self.opts.tracker_ports)!r}: no port of it is free on "
+                          f"{host} ({error}); give a wider range, or 0 for any free port")
+
     def _hello(self, conn: wire.RpcConnection, m: Hello) -> dict:
         with self._lock:
             self.agents[m.agent_id] = conn

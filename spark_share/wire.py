@@ -1,11 +1,17 @@
 """Authenticated framing between our processes (tracker, agents, read tasks, the user's process).
 
 Owns: the handshake (mutual HMAC-SHA256 challenge over a per-query secret), the frame format
-(a JSON header plus an optional binary blob, Arrow IPC for record data) and a small symmetric
-RPC connection where either side may call the other.
+(a JSON header plus an optional binary blob, Arrow IPC for record data, then an HMAC-SHA256 tag),
+and a small symmetric RPC connection where either side may call the other.
 
-Must never: unpickle anything (headers are JSON, blobs are handed to Arrow), accept a peer that
-has not proven it knows the secret, or put the secret in a log line or an exception message.
+Every frame is authenticated, not only the handshake: the tag covers the frame and its sequence
+number under a key per connection and direction, derived from the secret and both handshake
+nonces. A frame injected into an established connection (a hijacked TCP stream between hosts),
+replayed, reordered or cut is refused and ends the connection before its header is parsed.
+
+Must never: unpickle anything (headers are JSON, blobs are handed to Arrow), accept a peer or a
+frame that has not proven it knows the secret, or put the secret in a log line or an exception
+message.
 """
 from __future__ import annotations
 
@@ -25,9 +31,11 @@ from .errors import WIRE_ERRORS, AuthError, RemoteError, SparkShareError
 
 log = logging.getLogger("spark_share.wire")
 
-_MAGIC = b"SSHR1"
+_MAGIC = b"SSHR2"  # 2: every frame carries a tag
 _NONCE = 32
 _FRAME = struct.Struct("!IQ")  # header length, blob length
+_SEQ = struct.Struct("!Q")
+_TAG = 32
 MAX_HEADER = 64 << 20
 MAX_BLOB = 4 << 30
 HANDSHAKE_TIMEOUT = 10.0
@@ -44,6 +52,33 @@ def _mac(secret: str, role: bytes, nonce: bytes) -> bytes:
     return hmac.new(secret.encode(), role + nonce, hashlib.sha256).digest()
 
 
+class FrameKey:
+    """Tags the frames of one direction of one connection: HMAC-SHA256 over the sequence number and
+    the frame, under a key only the two ends of this handshake can derive."""
+
+    def __init__(self, secret: str, direction: bytes, server_nonce: bytes, client_nonce: bytes):
+        self._key = hmac.new(secret.encode(), b"frames " + direction + server_nonce + client_nonce,
+                             hashlib.sha256).digest()
+        self._seq = 0
+
+    def tag(self, *parts: bytes) -> bytes:
+        """The next frame's tag (each call is the next frame: call in send or receive order)."""
+        mac = hmac.new(self._key, _SEQ.pack(self._seq), hashlib.sha256)
+        self._seq += 1
+        for part in parts:
+            mac.update(part)
+        return mac.digest()
+
+
+FrameKeys = tuple[FrameKey, FrameKey]  # (frames we send, frames we receive)
+
+
+def _frame_keys(secret: str, server_nonce: bytes, client_nonce: bytes, we_are_server: bool) -> FrameKeys:
+    to_client = FrameKey(secret, b"server->client", server_nonce, client_nonce)
+    to_server = FrameKey(secret, b"client->server", server_nonce, client_nonce)
+    return (to_client, to_server) if we_are_server else (to_server, to_client)
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
     view = memoryview(buf)
@@ -56,8 +91,9 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def server_handshake(sock: socket.socket, secret: str) -> None:
-    """Challenge the connecting peer, then prove ourselves. Raises AuthError on a bad peer."""
+def server_handshake(sock: socket.socket, secret: str) -> FrameKeys:
+    """Challenge the connecting peer, then prove ourselves. Raises AuthError on a bad peer.
+    Returns the keys of this connection's frames."""
     sock.settimeout(HANDSHAKE_TIMEOUT)
     nonce = os.urandom(_NONCE)
     sock.sendall(_MAGIC + nonce)
@@ -70,9 +106,10 @@ def server_handshake(sock: socket.socket, secret: str) -> None:
         raise AuthError("peer failed authentication (wrong or missing per-query secret)")
     sock.sendall(b"\x01" + _mac(secret, b"server", their_nonce))
     sock.settimeout(None)
+    return _frame_keys(secret, nonce, their_nonce, we_are_server=True)
 
 
-def client_handshake(sock: socket.socket, secret: str) -> None:
+def client_handshake(sock: socket.socket, secret: str) -> FrameKeys:
     sock.settimeout(HANDSHAKE_TIMEOUT)
     hello = _recv_exact(sock, len(_MAGIC) + _NONCE)
     if hello[: len(_MAGIC)] != _MAGIC:
@@ -85,30 +122,39 @@ def client_handshake(sock: socket.socket, secret: str) -> None:
     if not hmac.compare_digest(_recv_exact(sock, 32), _mac(secret, b"server", nonce)):
         raise AuthError("server failed authentication")
     sock.settimeout(None)
+    return _frame_keys(secret, hello[len(_MAGIC):], nonce, we_are_server=False)
 
 
-def send_frame(sock: socket.socket, header: dict, blob: bytes = b"", lock: threading.Lock | None = None) -> None:
+class ForgedFrame(ConnectionError):
+    """A frame whose tag does not match: not sent by the authenticated peer, or altered, replayed
+    or reordered on the way."""
+
+
+def send_frame(sock: socket.socket, header: dict, blob: bytes, key: FrameKey, lock: threading.Lock) -> None:
     h = json.dumps(header, separators=(",", ":")).encode()
     prefix = _FRAME.pack(len(h), len(blob))
-    if lock is not None:
-        with lock:
-            sock.sendall(prefix + h)
-            if blob:
-                sock.sendall(blob)
-    else:
-        sock.sendall(prefix + h)
+    with lock:  # tags are numbered: compute and send in one order
+        tag = key.tag(prefix, h, blob)
         if blob:
+            sock.sendall(prefix + h)
             sock.sendall(blob)
+            sock.sendall(tag)
+        else:
+            sock.sendall(prefix + h + tag)
 
 
-def recv_frame(sock: socket.socket) -> tuple[dict, bytes]:
-    hl, bl = _FRAME.unpack(_recv_exact(sock, _FRAME.size))
+def recv_frame(sock: socket.socket, key: FrameKey) -> tuple[dict, bytes]:
+    prefix = _recv_exact(sock, _FRAME.size)
+    hl, bl = _FRAME.unpack(prefix)
     if hl > MAX_HEADER or bl > MAX_BLOB:
-        raise ConnectionError(f"oversized frame ({hl} + {bl} bytes)")
-    header = json.loads(_recv_exact(sock, hl))
+        raise ForgedFrame(f"oversized frame ({hl} + {bl} bytes)")
+    h = _recv_exact(sock, hl)
+    blob = _recv_exact(sock, bl) if bl else b""
+    if not hmac.compare_digest(_recv_exact(sock, _TAG), key.tag(prefix, h, blob)):
+        raise ForgedFrame("a frame failed authentication (forged, altered, replayed or reordered)")
+    header = json.loads(h)
     if not isinstance(header, dict):
         raise ConnectionError("malformed frame header")
-    blob = _recv_exact(sock, bl) if bl else b""
     return header, blob
 
 
@@ -122,10 +168,11 @@ class RpcConnection:
     ``on_close`` runs once when the connection ends, whoever ended it.
     """
 
-    def __init__(self, sock: socket.socket, handler: Handler | None = None,
+    def __init__(self, sock: socket.socket, keys: FrameKeys, handler: Handler | None = None,
                  on_close: Callable[[RpcConnection], None] | None = None, name: str = "rpc",
                  workers: int = 4, scrub: Callable[[str], str] = lambda s: s):
         self.sock = sock
+        self._send_key, self._recv_key = keys
         self.name = name
         self._handler = handler
         self._scrub = scrub
@@ -137,6 +184,7 @@ class RpcConnection:
         self._closed = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"{name}-h") if handler else None
         self.info: dict = {}
+        self.forged = False  # the peer's stream carried a frame that failed authentication
         self._thread = threading.Thread(target=self._read_loop, name=f"{name}-reader", daemon=True)
         self._thread.start()
 
@@ -155,7 +203,7 @@ class RpcConnection:
             fut.set_exception(ConnectionError(f"{self.name}: connection closed"))
             return fut
         try:
-            send_frame(self.sock, dict(header, _id=rid, _kind="req"), blob, self._send_lock)
+            send_frame(self.sock, dict(header, _id=rid, _kind="req"), blob, self._send_key, self._send_lock)
         except OSError as e:
             self._pending.pop(rid, None)
             fut.set_exception(ConnectionError(f"{self.name}: send failed: {e}"))
@@ -168,7 +216,7 @@ class RpcConnection:
     def _read_loop(self) -> None:
         try:
             while True:
-                header, blob = recv_frame(self.sock)
+                header, blob = recv_frame(self.sock, self._recv_key)
                 kind = header.pop("_kind", None)
                 rid = header.pop("_id", None)
                 if kind == "rep":
@@ -184,6 +232,9 @@ class RpcConnection:
                         fut.set_result((header, blob))
                 elif kind == "req" and self._pool is not None:
                     self._pool.submit(self._handle, rid, header, blob)
+        except ForgedFrame as e:
+            self.forged = True
+            log.warning("%s: closed the connection: %s", self.name, e)
         except (OSError, ConnectionError, ValueError, RuntimeError):  # RuntimeError: pool shut down on close
             pass
         finally:
@@ -201,7 +252,7 @@ class RpcConnection:
             else:
                 rep, rblob = {"_error": self._scrub(f"{type(e).__name__}: {e}")}, b""
         try:
-            send_frame(self.sock, dict(rep, _id=rid, _kind="rep"), rblob, self._send_lock)
+            send_frame(self.sock, dict(rep, _id=rid, _kind="rep"), rblob, self._send_key, self._send_lock)
         except OSError:
             self.close()
 
@@ -244,11 +295,11 @@ def connect(address, secret: str, handler: Handler | None = None, timeout: float
     sock.settimeout(timeout)
     try:
         sock.connect(address if isinstance(address, str) else tuple(address))
-        client_handshake(sock, secret)
+        keys = client_handshake(sock, secret)
     except BaseException:
         sock.close()
         raise
-    return RpcConnection(sock, handler, on_close=on_close, name=name, scrub=scrub)
+    return RpcConnection(sock, keys, handler, on_close=on_close, name=name, scrub=scrub)
 
 
 class RpcServer:
@@ -264,7 +315,8 @@ class RpcServer:
         self._scrub = scrub
         self._on_close = on_close
         self.name = name
-        self.refused = 0
+        self.refused = 0  # peers that failed the handshake
+        self.forged = 0  # connections closed on a frame that failed authentication
         self.connections: list = []
         self._lock = threading.Lock()
         if isinstance(address, str):
@@ -277,9 +329,13 @@ class RpcServer:
             os.chmod(address, 0o600)
             self.address = address
         else:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock = socket.socket(socket.AF_INET6 if ":" in address[0] else socket.AF_INET, socket.SOCK_STREAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(tuple(address))
+            try:
+                sock.bind(tuple(address))
+            except OSError:
+                sock.close()
+                raise
             self.address = sock.getsockname()[:2]
         sock.listen(128)
         self._sock = sock
@@ -300,7 +356,7 @@ class RpcServer:
         try:
             if conn.family != socket.AF_UNIX:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            server_handshake(conn, self._secret)
+            keys = server_handshake(conn, self._secret)
         except (AuthError, OSError, ConnectionError) as e:
             self.refused += 1
             log.warning("%s: refused a connection from %s: %s", self.name, peer or "a local peer", e)
@@ -309,7 +365,7 @@ class RpcServer:
             except OSError:
                 pass
             return
-        rpc = RpcConnection(conn, self._handler, on_close=self._closed, name=self.name, workers=8, scrub=self._scrub)
+        rpc = RpcConnection(conn, keys, self._handler, on_close=self._closed, name=self.name, workers=8, scrub=self._scrub)
         with self._lock:
             closing = self._stopped.is_set()
             if not closing:
@@ -323,6 +379,7 @@ class RpcServer:
         with self._lock:
             if rpc in self.connections:
                 self.connections.remove(rpc)
+            self.forged += rpc.forged
         if self._on_close:
             self._on_close(rpc)
 

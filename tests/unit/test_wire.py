@@ -1,3 +1,4 @@
+import json
 import os
 import socket
 import threading
@@ -5,6 +6,7 @@ import threading
 import pytest
 
 from spark_share import wire
+from support import wait_until
 
 
 @pytest.fixture
@@ -112,3 +114,81 @@ def test_a_peer_admitted_while_the_server_closes_is_closed_and_close_returns():
     closer.start()
     closer.join(10)
     assert not closer.is_alive(), "RpcServer.close() hung"
+
+
+class _Recorder:
+    """A socket stand-in that keeps the bytes sent through it (to replay them)."""
+
+    def __init__(self, sock):
+        self.sock, self.sent = sock, []
+
+    def sendall(self, data):
+        self.sent.append(bytes(data))
+        self.sock.sendall(data)
+
+
+def _authenticated_socket(srv, secret="s3cret-value"):
+    sock = socket.create_connection(srv.address)
+    return sock, wire.client_handshake(sock, secret)
+
+
+def _closed_by_peer(sock) -> bool:
+    """Whether the peer ends the connection (after any replies to earlier, genuine frames)."""
+    sock.settimeout(10)
+    try:
+        while sock.recv(4096):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_a_forged_frame_after_a_valid_handshake_is_refused(server, caplog):
+    """An attacker on the path writes into an authenticated stream: a well-formed frame, without
+    the connection's key. The server closes the connection before the frame reaches a handler."""
+    caplog.set_level("WARNING", logger="spark_share.wire")
+    srv, seen = server
+    sock, (send_key, _) = _authenticated_socket(srv)
+    wire.send_frame(sock, {"op": "x", "x": 1, "_id": 1, "_kind": "req"}, b"", send_key, threading.Lock())
+    header = json.dumps({"op": "x", "x": 2, "_id": 2, "_kind": "req"}).encode()
+    sock.sendall(wire._FRAME.pack(len(header), 0) + header + os.urandom(32))
+    assert _closed_by_peer(sock)
+    sock.close()
+    wait_until(lambda: srv.forged == 1, timeout=10, message="the forged frame was not counted")
+    assert [r.get("x") for r in seen] == [1], "the forged frame reached the handler"
+    assert "failed authentication" in caplog.text and "s3cret-value" not in caplog.text
+
+
+def test_a_replayed_or_altered_frame_is_refused(server):
+    srv, seen = server
+    sock, (send_key, _) = _authenticated_socket(srv)
+    rec = _Recorder(sock)
+    wire.send_frame(rec, {"op": "x", "x": 1, "_id": 1, "_kind": "req"}, b"blob", send_key, threading.Lock())
+    sock.sendall(b"".join(rec.sent))  # the same bytes again: the sequence number no longer matches
+    assert _closed_by_peer(sock)
+    sock.close()
+    sock, (send_key, _) = _authenticated_socket(srv)
+    rec = _Recorder(type("Nowhere", (), {"sendall": lambda self, data: None})())
+    wire.send_frame(rec, {"op": "x", "x": 3, "_id": 1, "_kind": "req"}, b"blob", send_key, threading.Lock())
+    sock.sendall(b"".join(rec.sent).replace(b'"x":3', b'"x":4'))  # one byte changed on the way
+    assert _closed_by_peer(sock)
+    sock.close()
+    wait_until(lambda: srv.forged == 2, timeout=10, message="refusals not counted")
+    assert [r.get("x") for r in seen] == [1]
+
+
+def test_frames_of_another_connection_do_not_verify(server):
+    """Keys differ per connection (both handshake nonces): a frame recorded on one connection is
+    refused on another, even as its first frame."""
+    srv, seen = server
+    first, (key, _) = _authenticated_socket(srv)
+    rec = _Recorder(first)
+    wire.send_frame(rec, {"op": "x", "x": 1, "_id": 1, "_kind": "req"}, b"", key, threading.Lock())
+    second, _ = _authenticated_socket(srv)
+    second.sendall(b"".join(rec.sent))
+    assert _closed_by_peer(second)
+    first.close()
+    second.close()
+    wait_until(lambda: srv.forged == 1, timeout=10, message="the foreign frame was not refused")
