@@ -54,6 +54,41 @@ def tracker_log_path(tracker_id: str) -> str:
     return os.path.join(runtime_dir(), f"tracker-{tracker_id}.log")
 
 
+def tracker_lock_path(tracker_id: str) -> str:
+    """A lock the tracker holds for its life: its agents' files are orphans once nobody holds it."""
+    return os.path.join(runtime_dir(), f"tracker-{tracker_id}.alive")
+
+
+def hold_tracker_lock(tracker_id: str) -> int:
+    """Take the tracker's life lock (see ``tracker_lock_path``); the kernel drops it if we are killed."""
+    import fcntl
+
+    fd = os.open(tracker_lock_path(tracker_id), os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def release_tracker_lock(tracker_id: str, fd: int) -> None:
+    remove(tracker_lock_path(tracker_id))
+    os.close(fd)
+
+
+def _tracker_alive(tracker_id: str) -> bool:
+    import fcntl
+
+    try:
+        fd = os.open(tracker_lock_path(tracker_id), os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True  # held: the tracker runs
+    finally:
+        os.close(fd)
+    return False
+
+
 def registry_path(query_id: str) -> str:
     """Where a query's tracker leaves its address and secret for the user's process on this host."""
     return os.path.join(runtime_dir(), f"query-{query_id}.json")
@@ -110,7 +145,9 @@ def live_registry_entry(query_id: str) -> dict | None:
 def prune(max_age_s: float = LOG_RETENTION_S, orphan_age_s: float = ORPHAN_AGE_S) -> list[str]:
     """Remove what no live process of ours owns (run when a tracker starts): logs untouched for a
     week, registry entries of trackers that are gone, checkpoint notes of queries long gone, and the
-    socket and lock files of agents killed an hour ago or more. Returns the names removed."""
+    socket and lock files of killed agents (at once when their tracker is gone too, else an hour on:
+    a live tracker may start a new agent), the life locks of killed trackers. Returns the names
+    removed."""
     base = runtime_dir()
     now = time.time()
     removed = []
@@ -129,9 +166,11 @@ def prune(max_age_s: float = LOG_RETENTION_S, orphan_age_s: float = ORPHAN_AGE_S
             query_id = name[len("checkpoint-"):-len(".json")]
             gone = age > max_age_s and live_registry_entry(query_id) is None
         elif name.startswith("agent-") and name.endswith(".spawn"):
-            if age > orphan_age_s:
+            if age > orphan_age_s or not _tracker_alive(name[len("agent-"):-len(".spawn")]):
                 removed += _remove_orphan_agent_files(path[:-len(".spawn")])
             continue
+        elif name.startswith("tracker-") and name.endswith(".alive"):
+            gone = not _tracker_alive(name[len("tracker-"):-len(".alive")])
         if gone:
             remove(path)
             removed.append(name)

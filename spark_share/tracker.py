@@ -114,11 +114,13 @@ class Tracker:
         # known once the watcher has listed the partitions.
         self.policy = BatchPolicy(opts.num_partitions or 1, opts.idle_probe_ms, opts.max_records_per_trigger)
         runtime.prune()
+        self._alive_fd = runtime.hold_tracker_lock(self.tracker_id)
         self._log_file = runtime.log_to_file(runtime.tracker_log_path(self.tracker_id))
         try:
             self.metadata = MetadataWatcher(opts, wanted=lambda: self.policy.idle)
         except BaseException:
             runtime.stop_logging_to(self._log_file)
+            runtime.release_tracker_lock(self.tracker_id, self._alive_fd)
             raise
         try:
             check_target(opts, self.metadata.client)
@@ -127,6 +129,7 @@ class Tracker:
         except BaseException:
             self.metadata.close()
             runtime.stop_logging_to(self._log_file)
+            runtime.release_tracker_lock(self.tracker_id, self._alive_fd)
             raise
         self.address = self.server.address
         self.policy.num_slots = opts.num_partitions or max(1, len(self.metadata.partitions))
@@ -493,5 +496,6 @@ class Tracker:
             runtime.remove(self._registry_path)
             log.info("spark-share tracker %s stopped: %s", self.tracker_id, json.dumps(self.progress()))
             runtime.stop_logging_to(self._log_file)
+            runtime.release_tracker_lock(self.tracker_id, self._alive_fd)
         finally:
             self._stopped.set()

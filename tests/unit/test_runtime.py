@@ -40,21 +40,27 @@ def test_prune_removes_what_no_live_process_owns_and_keeps_the_rest(rdir):
     touch(rdir / "tracker-old.log", age_s=week + 60)
     touch(rdir / "tracker-old.log.2", age_s=week + 60)
     touch(rdir / "tracker-new.log")
-    for agent in ("killed", "alive", "young"):
+    # "young": killed a moment ago, its tracker lives (it may start a new agent); "orphan": killed a
+    # moment ago with its tracker; "killed": an hour ago; "alive": runs.
+    for agent in ("killed", "alive", "young", "orphan"):
         for suffix in (".spawn", ".alive", ".sock"):
-            touch(rdir / f"agent-{agent}{suffix}", age_s=0 if agent == "young" else 2 * hour)
+            touch(rdir / f"agent-{agent}{suffix}", age_s=0 if agent in ("young", "orphan") else 2 * hour)
+    touch(rdir / "tracker-orphan.alive")  # a tracker killed: nobody holds its lock
     held = os.open(rdir / "agent-alive.alive", os.O_RDWR)  # what a running agent holds
     fcntl.flock(held, fcntl.LOCK_EX)
+    tracker = runtime.hold_tracker_lock("young")  # what a running tracker holds
     try:
         removed = runtime.prune()
     finally:
         os.close(held)
     assert sorted(removed) == sorted(["query-dead.json", "checkpoint-dead.json", "tracker-old.log",
-                                      "tracker-old.log.2", "agent-killed.sock", "agent-killed.alive",
-                                      "agent-killed.spawn"])
+                                      "tracker-old.log.2", "tracker-orphan.alive"]
+                                     + [f"agent-{a}{s}" for a in ("killed", "orphan") for s in (".sock", ".alive", ".spawn")])
     assert sorted(p.name for p in rdir.iterdir()) == sorted(
-        ["query-live.json", "checkpoint-live.json", "checkpoint-recent.json", "tracker-new.log"]
+        ["query-live.json", "checkpoint-live.json", "checkpoint-recent.json", "tracker-new.log", "tracker-young.alive"]
         + [f"agent-{a}{s}" for a in ("alive", "young") for s in (".spawn", ".alive", ".sock")])
+    runtime.release_tracker_lock("young", tracker)
+    assert not (rdir / "tracker-young.alive").exists()
 
 
 def test_the_tracker_log_rotates_by_size(rdir, monkeypatch):
