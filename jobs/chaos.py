@@ -621,29 +621,48 @@ def query_main(argv) -> int:
         event("started", id=q.id, run_id=q.runId)
         return q
 
+    def failed(e: Exception) -> None:
+        err = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        event("failed", error=err)
+        print(f"query failed: {err}", flush=True)
+
+    def restarted():
+        """A new run of the query, or None when starting it failed (a killed Python worker can be the
+        one planning the source): the loop tries again, as a supervisor would."""
+        try:
+            return start()
+        except Exception as e:
+            failed(e)
+            return None
+
     q = start()
     failures_in_a_row = 0
     while not stop.is_set():
-        try:
-            ended = q.awaitTermination(0.5)
-        except Exception as e:
-            ended = True
-            err = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-            event("failed", error=err)
-            print(f"query failed: {err}", flush=True)
-        if restart.is_set() and not stop.is_set():
-            restart.clear()
-            q.stop()
-            event("stopped")
-            ended = True
-        if ended and not stop.is_set():
+        if q is None:
+            failures_in_a_row += 1
+        else:
+            try:
+                ended = q.awaitTermination(0.5)
+            except Exception as e:
+                ended = True
+                failed(e)
+            if restart.is_set() and not stop.is_set():
+                restart.clear()
+                q.stop()
+                event("stopped")
+                ended = True
+            if not ended or stop.is_set():
+                continue
             failures_in_a_row = failures_in_a_row + 1 if q.lastProgress is None else 0
-            if failures_in_a_row > 20:
-                print("query keeps failing before its first batch; giving up", flush=True)
-                return 3
-            q = start()
-    q.stop()
-    event("stopped")
+        if failures_in_a_row > 20:
+            print("query keeps failing before its first batch; giving up", flush=True)
+            return 3
+        q = restarted()
+        if q is None:
+            stop.wait(1.0)
+    if q is not None:
+        q.stop()
+        event("stopped")
     spark.stop()
     return 0
 

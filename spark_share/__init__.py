@@ -53,24 +53,35 @@ def register(spark) -> None:
     ...       .load())
     """
     from .listener import install_listener
-    from .source import KafkaShareDataSource
 
-    _tell_workers_where_executors_are(spark)
-    spark.dataSource.register(KafkaShareDataSource)
+    spark.dataSource.register(_source_for(spark))
     install_listener(spark)
 
 
-def _tell_workers_where_executors_are(spark) -> None:
-    """The source's driver side binds its socket to loopback only in local mode; it runs in a
-    process Spark starts with the SparkContext's environment, which is how it learns the master."""
-    try:
-        sc = spark.sparkContext
-    except Exception:  # Spark Connect: no SparkContext here; the driver side falls back to loopback
-        return
+def _source_for(spark):
+    """The data source class to register. The source's driver side binds its socket to loopback
+    only in local mode; it runs in a process Spark starts on the driver, which learns the master
+    from the SparkContext's environment (classic) or from a subclass that carries it (Spark
+    Connect: no SparkContext in the client; the class is sent to the server by value)."""
+    from .connect import is_connect
+    from .source import KafkaShareDataSource
+
+    found = {}
+    if is_connect(spark):
+        for key, conf in (("SPARK_SHARE_MASTER", "spark.master"), ("SPARK_SHARE_DRIVER_HOST", "spark.driver.host")):
+            try:
+                value = spark.conf.get(conf, None)
+            except Exception:  # a Connect service may hide its confs; loopback then, or SPARK_SHARE_BIND_HOST
+                value = None
+            if value:
+                found[key] = value
+        return type("KafkaShareDataSourceOnConnect", (KafkaShareDataSource,), {"cluster_env": found})
+    sc = spark.sparkContext
     sc.environment["SPARK_SHARE_MASTER"] = sc.master
     host = sc.getConf().get("spark.driver.host")
     if host:
         sc.environment["SPARK_SHARE_DRIVER_HOST"] = host
+    return KafkaShareDataSource
 
 
 def reject(rows, reason=None) -> int:

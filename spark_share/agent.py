@@ -130,14 +130,15 @@ class Agent:
 
     # read tasks ----------------------------------------------------------------------------
     def _on_read(self, conn, m: Read):
-        return self._read(m.batch, m.slot, m.max_records, m.poll_timeout_ms, m.query_id, m.spark_batch)
+        return self._read(m.batch, m.slot, m.max_records, m.poll_timeout_ms, m.query_id, m.spark_batch, m.connect_session)
 
     def _on_ping(self, conn, m: Ping) -> dict:
         with self._lock:
             cached = len(self._cache)
         return {"agent_id": self.agent_id, "sessions": len(self.pool), "cached": cached}
 
-    def _read(self, batch: int, slot: int, max_records, poll_timeout_ms: int, query_id, spark_batch):
+    def _read(self, batch: int, slot: int, max_records, poll_timeout_ms: int, query_id, spark_batch,
+              connect_session=None):
         key = (batch, slot)
         while True:
             with self._lock:
@@ -154,7 +155,7 @@ class Agent:
                     continue
             # the other poll failed; try ourselves
         try:
-            claim, _ = call(self.tracker, Claim(batch, slot, query_id, spark_batch), timeout=60)
+            claim, _ = call(self.tracker, Claim(batch, slot, query_id, spark_batch, connect_session), timeout=60)
             if claim["owner"] is None:  # acquired by an agent that is gone: no new records under this id
                 return {"rows": 0, "cached": False, "lost": True}, records.to_ipc(
                     records.empty_batch(self.config["include_headers"]))

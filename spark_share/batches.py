@@ -56,6 +56,7 @@ class BatchState:
     acquired: dict[int, dict] = field(default_factory=dict)      # slot -> {agent, session, rows, offsets, acquired_at}
     verdicts: dict[tuple[str, int, int], tuple[int, str | None]] = field(default_factory=dict)
     spark_batch: int | None = None                            # Spark's batch id, learnt from the read tasks
+    connect_sessions: set[str] = field(default_factory=set)   # Spark Connect sessions whose jobs read it
     state: str = PLANNED
     committed_at: float | None = None
     acked_at: float | None = None

@@ -1,52 +1,111 @@
 """The user's process talking to a query's tracker on this host: connections and ``status``.
 
 Owns: finding a running query's tracker through the registry entry it wrote (address and per-query
-secret, owner-only), one authenticated connection per query kept while the query runs, and
-``status(query)``.
+secret, owner-only) by query id or by tracker id, one authenticated connection per tracker kept
+while its query runs, and ``status(query)`` (under Spark Connect, from the query's progress when
+the tracker is on another host).
 
 Must never: connect to anything but an address from this host's registry, or keep a connection
 after its query terminated (the listener drops it).
 """
 from __future__ import annotations
 
+import json
 import threading
 
-from . import runtime, wire
+from . import connect, runtime, wire
 from .errors import VerdictError
 from .protocol import Status, call
 
-_conns: dict[str, wire.RpcConnection] = {}
+_conns: dict[str, wire.RpcConnection] = {}  # tracker id -> connection
+_queries: dict[str, str] = {}  # query id -> tracker id
 _conns_lock = threading.Lock()
+
+
+def _connect(entry: dict | None) -> wire.RpcConnection | None:
+    """The open connection to the tracker of a registry entry (call with ``_conns_lock`` held)."""
+    if entry is None:
+        return None
+    tid = entry.get("tracker_id", "")
+    conn = _conns.get(tid)
+    if conn is not None and not conn.closed:
+        return conn
+    try:
+        conn = wire.connect((entry["host"], entry["port"]), entry["secret"], name="verdicts")
+    except (OSError, KeyError):
+        return None
+    _conns[tid] = conn
+    return conn
 
 
 def tracker_for(query_id: str) -> wire.RpcConnection | None:
     """The authenticated connection to the tracker of a running kafka-share query on this host."""
     with _conns_lock:
-        conn = _conns.get(query_id)
-        if conn is not None and not conn.closed:
-            return conn
-        reg = runtime.registry_entry(query_id)
-        if reg is None:
-            return None
-        try:
-            conn = wire.connect((reg["host"], reg["port"]), reg["secret"], name="verdicts")
-        except OSError:
-            return None
-        _conns[query_id] = conn
+        entry = runtime.registry_entry(query_id)
+        conn = _connect(entry)
+        if conn is not None:
+            _queries[query_id] = entry["tracker_id"]  # type: ignore[index]
         return conn
+
+
+def tracker_by_id(tracker_id: str, query_id: str | None = None) -> wire.RpcConnection | None:
+    """The connection to a tracker that runs on this host, by its id (None if it does not);
+    ``forget(query_id)`` closes it."""
+    with _conns_lock:
+        conn = _connect(runtime.live_run_entry(tracker_id))
+        if conn is not None and query_id:
+            _queries[query_id] = tracker_id
+        return conn
+
+
+def trackers_on_this_host() -> list[wire.RpcConnection]:
+    """Connections to every tracker running on this host."""
+    with _conns_lock:
+        found = (_connect(e) for e in runtime.live_run_entries())
+        return [c for c in found if c is not None]
 
 
 def forget(query_id: str) -> None:
     """Close the connection to a query's tracker (the query terminated)."""
     with _conns_lock:
-        conn = _conns.pop(query_id, None)
+        conn = _conns.pop(_queries.pop(query_id, ""), None)
     if conn is not None:
         conn.close()
 
 
 def status(query) -> dict:
+    if connect.is_connect(query):
+        return _status_from_progress(query)
     conn = tracker_for(str(query.id))
     if conn is None:
         raise VerdictError(f"query {query.id} is not a running kafka-share query on this host")
     rep, _ = call(conn, Status(), timeout=30)
     return rep
+
+
+def kafka_share_progress(progress) -> dict | None:
+    """Our part of a ``StreamingQueryProgress``: the source's ``latestOffset``, which is what the
+    tracker reported when Spark planned the batch (its id, counts and lock headroom)."""
+    for source in getattr(progress, "sources", None) or []:
+        try:
+            reported = json.loads(source.latestOffset or "null")
+        except (ValueError, TypeError):
+            continue
+        if isinstance(reported, dict) and "tracker" in reported:
+            return reported
+    return None
+
+
+def _status_from_progress(query) -> dict:
+    """Under Spark Connect: the tracker's full status when it runs on this host (a Connect server in
+    this process), else the counts of the query's last progress (as of that batch's planning)."""
+    last = query.lastProgress
+    reported = kafka_share_progress(last)
+    if reported is None:
+        raise VerdictError(f"query {query.id} has reported no kafka-share progress yet (it has not planned a batch, "
+                           "or it does not read format('kafka-share')); try again after its first batch")
+    conn = tracker_by_id(reported["tracker"])
+    if conn is not None:
+        rep, _ = call(conn, Status(), timeout=30)
+        return rep
+    return dict(reported, view="lastProgress", sparkBatch=last.batchId, timestamp=last.timestamp)

@@ -1,4 +1,5 @@
-"""The StreamingQueryListener spark-share installs in the user's process.
+"""The StreamingQueryListener spark-share installs: in the user's process (classic), or on the
+Spark Connect server (a Connect client may run on another machine).
 
 Owns: noting a query's checkpoint location when it starts (so a stop can tell a committed batch
 from one that was not), telling the tracker promptly that Spark committed a batch (so the
@@ -10,9 +11,14 @@ acknowledge anything itself.
 """
 from __future__ import annotations
 
+import json
 import logging
+import warnings
 
-from . import client, runtime
+from pyspark.sql.streaming import StreamingQueryListener
+
+from . import client, connect, runtime
+from .offsets import batch_of
 from .protocol import Committed, call_async
 
 log = logging.getLogger("spark_share.listener")
@@ -47,11 +53,56 @@ def _forget_checkpoint(query_id: str, run_id: str) -> None:
         runtime.remove(path)
 
 
-def install_listener(spark) -> None:
-    from pyspark.sql.streaming import StreamingQueryListener
+def _signal_commit(progress) -> None:
+    """Spark posts a progress event once the batch is in its commit log: tell the tracker that
+    reported in this batch's progress (its id is in our source's ``latestOffset``) how far it may
+    acknowledge, exactly (our batch id is the source's ``endOffset``)."""
+    reported = client.kafka_share_progress(progress)
+    if reported is None:
+        return
+    conn = client.tracker_by_id(reported["tracker"], query_id=str(progress.id))
+    if conn is None:
+        return
+    ends = [s.endOffset for s in progress.sources if s.latestOffset and reported["tracker"] in s.latestOffset]
+    call_async(conn, Committed(int(progress.batchId), source_batch=batch_of(json.loads(ends[0])),
+                               query_id=str(progress.id)))
 
-    class CommitListener(StreamingQueryListener):
-        """Progress events are posted after the batch is in the commit log: acknowledge it now."""
+
+class ServerCommitListener(StreamingQueryListener):
+    """The listener a Spark Connect server runs for a client session, in a Python process on the
+    driver host (next to the trackers). Importable by reference: nothing of the client is captured."""
+
+    def onQueryStarted(self, event):
+        pass
+
+    def onQueryProgress(self, event):
+        try:
+            _signal_commit(event.progress)
+        except Exception:  # a listener must never break the query
+            log.debug("commit signal failed", exc_info=True)
+
+    def onQueryIdle(self, event):
+        pass
+
+    def onQueryTerminated(self, event):
+        client.forget(str(event.id))
+
+
+NO_SERVER_LISTENER = ("spark-share: this Spark Connect server refused a server-side query listener, so records are "
+                      "acknowledged when the next batch is planned, not as soon as a batch commits; keep the trigger "
+                      "interval well below the share group's record lock duration (or use a classic session)")
+
+
+def install_listener(spark) -> None:
+    if connect.is_connect(spark):
+        if not connect.install_server_listener(spark, ServerCommitListener()):
+            warnings.warn(NO_SERVER_LISTENER, stacklevel=3)
+            log.warning(NO_SERVER_LISTENER)
+        return
+
+    class CommitListener(ServerCommitListener):
+        """In a classic session: the same signals from the user's process, which is the driver, plus
+        the checkpoint note."""
 
         def onQueryStarted(self, event):
             try:
@@ -59,20 +110,8 @@ def install_listener(spark) -> None:
             except Exception:  # a listener must never break the query
                 log.debug("noting the checkpoint failed", exc_info=True)
 
-        def onQueryProgress(self, event):
-            p = event.progress
-            try:
-                conn = client.tracker_for(str(p.id))
-                if conn is not None:
-                    call_async(conn, Committed(int(p.batchId)))
-            except Exception:  # a listener must never break the query
-                log.debug("commit signal failed", exc_info=True)
-
-        def onQueryIdle(self, event):
-            pass
-
         def onQueryTerminated(self, event):
-            client.forget(str(event.id))
+            super().onQueryTerminated(event)
             _forget_checkpoint(str(event.id), str(event.runId))
 
     key = id(spark)

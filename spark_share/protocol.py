@@ -49,6 +49,7 @@ class Claim(Message):
     slot: int
     query_id: str | None = None
     spark_batch: int | None = None
+    connect_session: str | None = None  # the Spark Connect session of the reading job (foreachBatch under Connect)
 
 
 @dataclass
@@ -76,19 +77,27 @@ class Fetch(Message):
 
 @dataclass
 class Committed(Message):
-    """Spark committed its batch ``spark_batch`` (from the listener in the user's process)."""
+    """Spark committed its batch ``spark_batch``, which ended at our ``source_batch`` (its progress
+    event's endOffset), from the listener; ``query_id`` lets a tracker whose reads did not carry it
+    (foreachBatch under Spark Connect) register the query."""
     op: ClassVar[str] = "committed"
     spark_batch: int
+    source_batch: int | None = None
+    query_id: str | None = None
 
 
 @dataclass
 class Verdicts(Message):
-    """reject() / release() of rows of the running batch, by coordinates; all or nothing."""
+    """reject() / release() of rows of the running batch, by coordinates; all or nothing. The batch is
+    Spark's ``spark_batch`` (classic) or the one the ``connect_session`` is reading (under Spark
+    Connect, where foreachBatch sees no batch id): a tracker that reads no batch for that session
+    answers ``{"match": False}`` and records nothing."""
     op: ClassVar[str] = "verdicts"
-    spark_batch: int
+    spark_batch: int | None
     kind: str  # "reject" | "release"
     records: list[list]  # [topic, partition, offset]
     reason: str | None = None
+    connect_session: str | None = None
 
 
 @dataclass
@@ -155,6 +164,7 @@ class Read(Message):
     poll_timeout_ms: int = 1000
     query_id: str | None = None
     spark_batch: int | None = None
+    connect_session: str | None = None
 
 
 TO_TRACKER: tuple[type[Message], ...] = (Hello, Claim, Acquired, Fetch, Committed, Verdicts, Status)

@@ -22,6 +22,7 @@ from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows, SupportsTriggerAvailableNow
 
 from . import runtime
+from .connect import session_of_job_tags
 from .offsets import INITIAL, batch_of, offset_of
 from .options import ShareSourceOptions
 from .protocol import Read, call
@@ -143,8 +144,11 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         # Spark's batch id can run ahead of ours (no-data batches, other sources): verdicts and commit
         # signals name Spark's, so the tracker learns which of its batches it is.
         spark_batch = ctx.getLocalProperty("streaming.sql.batchId") if ctx else None
+        # foreachBatch under Spark Connect runs its jobs without those properties; the tag of the
+        # Connect session that runs the batch names it instead (reject() there knows that session).
+        connect_session = None if query_id else session_of_job_tags(ctx.getLocalProperty("spark.job.tags") if ctx else None)
         request = Read(partition.batch, partition.slot, partition.max_records, partition.poll_timeout_ms, query_id,
-                       int(spark_batch) if spark_batch is not None else None)
+                       int(spark_batch) if spark_batch is not None else None, connect_session)
         timeout = READ_TIMEOUT_S + partition.poll_timeout_ms / 1000.0
         conn = _agent_of(partition.tracker_id)
         if conn is None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import time
 from logging.handlers import RotatingFileHandler
@@ -21,6 +22,7 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LOG_RETENTION_S = 7 * 86400
 LOG_MAX_BYTES = 10 << 20  # a tracker log rotates at this size...
 LOG_BACKUPS = 3  # ...keeping this many older files
+_SAFE_ID = re.compile(r"[0-9a-f]{16}")  # a tracker id (it names files here)
 ORPHAN_AGE_S = 3600.0  # an agent's socket and lock files unused this long, with no holder, are removed
 
 
@@ -94,6 +96,12 @@ def registry_path(query_id: str) -> str:
     return os.path.join(runtime_dir(), f"query-{query_id}.json")
 
 
+def run_registry_path(tracker_id: str) -> str:
+    """Where a tracker leaves its address and secret under its own id (it does not know its query
+    id until a read or the listener names it; foreachBatch under Spark Connect finds it here)."""
+    return os.path.join(runtime_dir(), f"run-{tracker_id}.json")
+
+
 def checkpoint_note_path(query_id: str) -> str:
     """Where the user's process notes a query's checkpoint location (written when the query starts)."""
     return os.path.join(runtime_dir(), f"checkpoint-{query_id}.json")
@@ -141,6 +149,20 @@ def live_registry_entry(query_id: str) -> dict | None:
         return None
 
 
+def live_run_entry(tracker_id: str) -> dict | None:
+    """The registry entry of a tracker by its id, if it still runs."""
+    if not _SAFE_ID.fullmatch(tracker_id or "") or not _tracker_alive(tracker_id):
+        return None
+    return read_json(run_registry_path(tracker_id))
+
+
+def live_run_entries() -> list[dict]:
+    """The registry entries of every tracker that runs on this host."""
+    names = [n for n in os.listdir(runtime_dir()) if n.startswith("run-") and n.endswith(".json")]
+    found = (live_run_entry(n[len("run-"):-len(".json")]) for n in sorted(names))
+    return [e for e in found if e is not None]
+
+
 # --- housekeeping and logs ----------------------------------------------------------------------
 def prune(max_age_s: float = LOG_RETENTION_S, orphan_age_s: float = ORPHAN_AGE_S) -> list[str]:
     """Remove what no live process of ours owns (run when a tracker starts): logs untouched for a
@@ -162,6 +184,8 @@ def prune(max_age_s: float = LOG_RETENTION_S, orphan_age_s: float = ORPHAN_AGE_S
             gone = age > max_age_s
         elif name.startswith("query-") and name.endswith(".json"):
             gone = live_registry_entry(name[len("query-"):-len(".json")]) is None
+        elif name.startswith("run-") and name.endswith(".json"):
+            gone = not _tracker_alive(name[len("run-"):-len(".json")])
         elif name.startswith("checkpoint-") and name.endswith(".json"):
             query_id = name[len("checkpoint-"):-len(".json")]
             gone = age > max_age_s and live_registry_entry(query_id) is None

@@ -5,6 +5,8 @@ short-lived Python workers).
 """
 from __future__ import annotations
 
+import os
+
 from pyspark.sql.datasource import DataSource
 
 from .options import parse_options
@@ -39,6 +41,11 @@ class KafkaShareDataSource(DataSource):
     ...      .option("checkpointLocation", "/chk/orders").trigger(availableNow=True).start())
     """
 
+    # Where the driver side binds (SPARK_SHARE_MASTER, SPARK_SHARE_DRIVER_HOST): a classic session
+    # passes them in the SparkContext's environment; under Spark Connect ``register()`` sets them on
+    # a subclass, which travels to the server by value.
+    cluster_env: dict[str, str] = {}
+
     @classmethod
     def name(cls) -> str:
         return "kafka-share"
@@ -53,6 +60,8 @@ class KafkaShareDataSource(DataSource):
     def streamReader(self, schema):
         from .reader import ShareStreamReader
 
+        for k, v in self.cluster_env.items():
+            os.environ.setdefault(k, v)
         return ShareStreamReader(self.share_options)
 
     def __getstate__(self):

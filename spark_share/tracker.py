@@ -132,6 +132,10 @@ class Tracker:
             runtime.release_tracker_lock(self.tracker_id, self._alive_fd)
             raise
         self.address = self.server.address
+        # Last, once nothing here can fail: foreachBatch under Spark Connect and the listener on the
+        # server find the tracker by its id (its query id is not known yet).
+        self._run_path = runtime.run_registry_path(self.tracker_id)
+        runtime.write_private_json(self._run_path, self._entry())
         self.policy.num_slots = opts.num_partitions or max(1, len(self.metadata.partitions))
         self.acks = Acknowledger(opts, self.policy, self._lock, self.agents, self._acknowledged)
         self.totals = AckOutcome()
@@ -196,6 +200,8 @@ class Tracker:
                 raise BatchRefused(self._refusal(batch, b))
             if m.spark_batch is not None:
                 b.spark_batch = int(m.spark_batch)
+            if m.connect_session:
+                b.connect_sessions.add(m.connect_session)
             owner = b.claims.get(slot)
             if owner is not None and owner not in self.agents:
                 if slot in b.acquired:
@@ -252,7 +258,11 @@ class Tracker:
         return call(agent, Fetch(m.batch, m.slot), timeout=120)
 
     def _committed(self, conn: wire.RpcConnection, m: Committed) -> dict:
-        upto = self.source_batch_of(m.spark_batch)
+        if m.query_id and self.query_id is None:  # the reads did not carry it (foreachBatch under Connect)
+            with self._register_lock:
+                if self.query_id is None:
+                    self._register_query(m.query_id)
+        upto = m.source_batch if m.source_batch is not None else self.source_batch_of(m.spark_batch)
         if upto is not None:
             self.batch_committed(upto, wait=True)
         return {"ok": True}
@@ -269,16 +279,22 @@ class Tracker:
 
     def _verdicts(self, conn: wire.RpcConnection, m: Verdicts) -> dict:
         """Record reject/release verdicts for a running batch; all or nothing."""
-        spark_batch = m.spark_batch
         kind = {"reject": REJECT, "release": RELEASE}[m.kind]
         reason = m.reason
         with self._lock:
-            b = next((b for b in self.batches.values() if b.spark_batch == spark_batch), None)
-            if b is None or b.state != PLANNED:
-                raise ValueError(f"batch {spark_batch} has no kafka-share records being processed in this query "
-                                 f"(state: {b.state if b else 'nothing read'}); verdicts apply to rows of the "
-                                 "batch being processed in foreachBatch")
-            batch = spark_batch
+            if m.connect_session:  # Spark Connect: the latest batch read in that session, if it is ours
+                b = max((b for b in self.batches.values()
+                         if m.connect_session in b.connect_sessions and b.state == PLANNED),
+                        key=lambda b: b.batch, default=None)
+                if b is None:
+                    return {"match": False}
+            else:
+                b = next((b for b in self.batches.values() if b.spark_batch == m.spark_batch), None)
+                if b is None or b.state != PLANNED:
+                    raise ValueError(f"batch {m.spark_batch} has no kafka-share records being processed in this "
+                                     f"query (state: {b.state if b else 'nothing read'}); verdicts apply to rows of "
+                                     "the batch being processed in foreachBatch")
+            batch = b.spark_batch if b.spark_batch is not None else b.batch
             keys = [(t, int(p), int(o)) for t, p, o in m.records]
             foreign = [k for k in keys if not b.holders(*k)]
             if foreign:
@@ -290,7 +306,7 @@ class Tracker:
                                  "rejected and released), e.g. " + ", ".join(f"{t}-{p}@{o}" for t, p, o in both[:5]))
             for k in keys:
                 b.verdicts[k] = (kind, reason)
-        return {"ok": True, "records": len(keys)}
+        return {"ok": True, "match": True, "records": len(keys)}
 
     def _conn_closed(self, conn: wire.RpcConnection) -> None:
         agent_id = conn.info.get("agent_id")
@@ -310,13 +326,17 @@ class Tracker:
             raise SourceError(TWO_SOURCES)
         self.query_id = query_id
         path = runtime.registry_path(query_id)
-        runtime.write_private_json(path, {"host": self.address[0], "port": self.address[1], "secret": self.secret,
-                                          "tracker_id": self.tracker_id, "pid": os.getpid()})
+        runtime.write_private_json(path, self._entry())
         if (runtime.live_registry_entry(query_id) or {}).get("tracker_id") != self.tracker_id:  # the other won a race
             raise SourceError(TWO_SOURCES)
         self._registry_path = path
         log.info("spark-share tracker %s serves query %s", self.tracker_id, query_id)
         self._learn_commit_log()
+
+    def _entry(self) -> dict:
+        """What the registry says of this tracker (owner-only files: the secret is in it)."""
+        return {"host": self.address[0], "port": self.address[1], "secret": self.secret,
+                "tracker_id": self.tracker_id, "pid": os.getpid()}
 
     def _learn_commit_log(self) -> None:
         if self.commit_log is None and self.query_id is not None:
@@ -437,7 +457,7 @@ class Tracker:
             done = [b for b in self.batches.values() if b.state in (ACKED, RELEASED)]
             last = max(done, key=lambda b: b.batch).summary() if done else None
             t = self.totals
-        return {"v": 1, "batch": planned, "inflightRecords": inflight, "agents": len(self.agents),
+        return {"v": 1, "tracker": self.tracker_id, "batch": planned, "inflightRecords": inflight, "agents": len(self.agents),
                 "maxRecordsPerConsumer": self.policy.lock_safe_records, "lockDurationMs": self.policy.lock_ms,
                 "lockHeadroomMs": self.policy.headroom_ms(last.get("holdMs") if last else None),
                 "acquired": self.total_acquired, "accepted": t.accepted, "released": t.released,
@@ -494,6 +514,7 @@ class Tracker:
             self.server.close()
             self.metadata.close()
             runtime.remove(self._registry_path)
+            runtime.remove(self._run_path)
             log.info("spark-share tracker %s stopped: %s", self.tracker_id, json.dumps(self.progress()))
             runtime.stop_logging_to(self._log_file)
             runtime.release_tracker_lock(self.tracker_id, self._alive_fd)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 
-from . import wire
-from .client import tracker_for
+from . import connect, wire
+from .client import tracker_for, trackers_on_this_host
 from .errors import VerdictError
 from .protocol import Verdicts, call
 
@@ -53,20 +53,46 @@ def _send(kind: str, rows, reason: str | None) -> int:
     from pyspark.sql import SparkSession
 
     spark, coords = _coordinates(rows)
-    spark = spark or SparkSession.getActiveSession()
+    spark = spark or SparkSession.getActiveSession() or connect.active_session()
     if spark is None:
         raise VerdictError("no active Spark session")
+    if connect.is_connect(spark):
+        return _send_connect(spark, kind, coords, reason)
     qid, batch = _current_batch(spark)
     if not coords:
         return 0
     conn = tracker_for(qid)
     if conn is None:
         raise VerdictError(f"query {qid} is not a running kafka-share query on this host")
+    _call(conn, kind, Verdicts(batch, kind, [list(c) for c in coords], reason))
+    return len(coords)
+
+
+def _send_connect(spark, kind: str, coords: list, reason: str | None) -> int:
+    """Under Spark Connect, foreachBatch runs in a process of the server's, on the driver host, and
+    sees no query or batch id: the batch is the one this Connect session's jobs are reading, and
+    the tracker is whichever one on this host has such a batch."""
+    if not connect.in_foreach_batch_worker():
+        raise VerdictError("spark_share.reject()/release() must be called inside foreachBatch of a kafka-share "
+                           "query (under Spark Connect, in the function given to foreachBatch, which the server runs)")
+    if not coords:
+        return 0
+    msg = Verdicts(None, kind, [list(c) for c in coords], reason, connect_session=spark.session_id)
+    for conn in trackers_on_this_host():
+        if _call(conn, kind, msg).get("match"):
+            return len(coords)
+    raise VerdictError(f"spark_share.{kind}(): these rows are not from the batch being processed by a running "
+                       "kafka-share query on this host (pass rows of the DataFrame foreachBatch was given, "
+                       f"and run the query's source and its foreachBatch with one runtime directory, "
+                       "SPARK_SHARE_RUNTIME_DIR)")
+
+
+def _call(conn, kind: str, msg: Verdicts) -> dict:
     try:
-        call(conn, Verdicts(batch, kind, [list(c) for c in coords], reason), timeout=60)
+        rep, _ = call(conn, msg, timeout=60)
     except wire.RemoteError as e:
         raise VerdictError(f"spark_share.{kind}(): {str(e).split(': ', 1)[-1]}") from None
-    return len(coords)
+    return rep
 
 
 def reject(rows, reason: str | None = None) -> int:

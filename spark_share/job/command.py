@@ -19,6 +19,7 @@ import tempfile
 from collections import Counter
 from collections.abc import Sequence
 
+from ..connect import is_connect
 from ..errors import ConfigError
 from .config import EMBEDDED, load_config
 from .pipeline import print_summary, run
@@ -46,9 +47,13 @@ def main(argv=None, prog: str = "queue_to_table.py", search: Sequence[str] = ())
                     help="synthetic orders per topic for an embedded run")
     ap.add_argument("--out",
                     help="output directory of the run without --config (default: a new temporary directory)")
+    ap.add_argument("--remote", metavar="sc://HOST:PORT",
+                    help="run through a Spark Connect server (as `spark-submit --remote`; SPARK_REMOTE also works)")
     args = ap.parse_args(argv)
     if args.records < 0:
         ap.error("--records must be >= 0")
+    if args.remote and not args.remote.startswith("sc://"):
+        ap.error(f"--remote must be a Spark Connect URL, sc://host:port (got {args.remote!r})")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
 
@@ -64,13 +69,22 @@ def main(argv=None, prog: str = "queue_to_table.py", search: Sequence[str] = ())
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    remote = args.remote or os.environ.get("SPARK_REMOTE")
+    if remote and cfg.spark_master:
+        print(f"error: config field 'spark_master' ({cfg.spark_master!r}) and a Spark Connect server "
+              f"({'--remote' if args.remote else 'SPARK_REMOTE'}) both say where to run; keep one",
+              file=sys.stderr)
+        return 2
     builder = SparkSession.builder.appName("spark-share-queue-to-table")
-    if cfg.spark_master or (embedded and not args.config):
+    if args.remote:
+        builder = builder.remote(args.remote)
+    elif cfg.spark_master or (embedded and not args.config and not remote):
         builder = (builder.master(cfg.spark_master or "local[2]").config("spark.ui.enabled", "false")
                    .config("spark.ui.showConsoleProgress", "false")
                    .config("spark.sql.shuffle.partitions", "2"))
     spark = builder.getOrCreate()
-    spark.sparkContext.setLogLevel("ERROR")
+    if not is_connect(spark):  # a Connect server keeps its own log level
+        spark.sparkContext.setLogLevel("ERROR")
     try:
         if not embedded:
             s = run(spark, cfg)

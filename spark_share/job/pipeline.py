@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ..connect import is_connect
 from ..errors import ConfigError
 from .config import JobConfig, resolve_secrets
 
@@ -186,10 +187,50 @@ def run(spark, cfg: JobConfig, quiet: bool = False) -> Summary:
         w = w.trigger(availableNow=True)
     else:
         w = w.trigger(processingTime=cfg.trigger.split(":", 1)[1])
+    if not is_connect(spark):
+        w.start().awaitTermination()
+        summary.wall = time.time() - summary.started
+        return summary
+    # Under Spark Connect, process() runs in a Python process of the server's: its summary stays
+    # there. The client counts from what it can see: the query's progress and the two tables.
+    # (Not with a client-side listener: pyspark 4.3's listener bus dies on observed metrics.)
+    before = _TableCounts.read(spark, cfg)
     q = w.start()
-    q.awaitTermination()
-    summary.wall = time.time() - summary.started
-    return summary
+    rows_by_batch: dict[int, int] = {}
+    while True:
+        ended = q.awaitTermination(2)
+        for p in q.recentProgress:  # the last 100 batches: polled well within 100 batches
+            if p.batchId not in rows_by_batch:
+                rows_by_batch[p.batchId] = p.numInputRows
+                if not quiet:
+                    print(f"batch {p.batchId}: read {p.numInputRows}", flush=True)
+        if ended:
+            break
+    return _TableCounts.read(spark, cfg).summary_since(before, rows_by_batch, summary.started)
+
+
+@dataclass
+class _TableCounts:
+    """Rows in the output and dead-letter tables (by reason), to count a run by difference."""
+
+    written: int
+    rejected: Counter
+
+    @classmethod
+    def read(cls, spark, cfg: JobConfig) -> _TableCounts:
+        out = _read_table(spark, cfg.output_path)
+        dead = _read_table(spark, cfg.dead_letter_path)
+        reasons = Counter({r[0]: r[1] for r in dead.groupBy("reason").count().collect()}) if dead else Counter()
+        return cls(out.count() if out is not None else 0, reasons)
+
+    def summary_since(self, before: _TableCounts, batch_rows: dict[int, int], started: float) -> Summary:
+        s = Summary(started=started, wall=time.time() - started)
+        s.records, s.batches = sum(batch_rows.values()), len(batch_rows)
+        s.written = self.written - before.written
+        for reason, n in (self.rejected - before.rejected).items():
+            s.rejected[_summary_label(reason)] += n
+        s.released = s.records - s.written - sum(s.rejected.values())
+        return s
 
 
 def _read_table(spark, path: str):
@@ -198,7 +239,9 @@ def _read_table(spark, path: str):
     from pyspark.errors import AnalysisException
 
     try:
-        return spark.read.parquet(path)
+        table = spark.read.parquet(path)
+        table.schema  # noqa: B018 -- Spark Connect analyses lazily: a missing path raises here
+        return table
     except AnalysisException:
         return None
 

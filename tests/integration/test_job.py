@@ -284,7 +284,8 @@ def test_shipped_configs_parse(monkeypatch, name):
         assert cfg.source_options["kafka.sasl.password"] == "p"
 
 
-def test_shipped_databricks_job(monkeypatch):
+@pytest.mark.parametrize("job_file", ["databricks-job.json", "databricks-serverless-job.json"])
+def test_shipped_databricks_job(monkeypatch, job_file):
     conf = os.path.join(ROOT, "conf")
     raw = json.load(open(os.path.join(conf, "databricks.json")))
     creds = {k: v for k, v in raw["source"]["options"].items() if "username" in k or is_secret(k)}
@@ -293,7 +294,7 @@ def test_shipped_databricks_job(monkeypatch):
     with pytest.raises(ConfigError, match="secret scopes"):  # off Databricks, before Spark starts
         load_config(os.path.join(conf, "databricks.json"))
 
-    spec = json.load(open(os.path.join(conf, "databricks-job.json")))
+    spec = json.load(open(os.path.join(conf, job_file)))
     (task,) = spec["tasks"]
     py = task["spark_python_task"]
     assert py["python_file"] == "jobs/queue_to_table.py" and os.path.exists(os.path.join(ROOT, py["python_file"]))
@@ -301,10 +302,20 @@ def test_shipped_databricks_job(monkeypatch):
     # The job file finds conf/ from jobs/ (a Python file task's working directory on Databricks).
     monkeypatch.chdir(os.path.join(ROOT, "jobs"))
     assert _find_config(py["parameters"][1], [ROOT]) == os.path.join(ROOT, "conf", "databricks.json")
-    (lib,) = task["libraries"]
-    assert set(lib) == {"whl"} and lib["whl"].endswith(f"/spark_share-{spark_share.__version__}-py3-none-any.whl")
-    (cluster,) = spec["job_clusters"]
-    assert ">= 4.2" in cluster["new_cluster"]["spark_version"]  # a placeholder naming the requirement
+    wheel = f"/spark_share-{spark_share.__version__}-py3-none-any.whl"
+    if "serverless" in job_file:  # Spark Connect: an environment, no cluster
+        assert "Serverless" in spec["description"] and "job_clusters" not in spec
+        (env,) = spec["environments"]
+        assert task["environment_key"] == env["environment_key"] and ">= 4.2" in env["spec"]["environment_version"]
+        (dep,) = env["spec"]["dependencies"]
+        assert dep.endswith(wheel)
+    else:  # classic PySpark: a job cluster in dedicated access mode
+        assert "dedicated" in spec["description"]
+        (lib,) = task["libraries"]
+        assert set(lib) == {"whl"} and lib["whl"].endswith(wheel)
+        (cluster,) = spec["job_clusters"]
+        assert cluster["new_cluster"]["data_security_mode"] == "SINGLE_USER"
+        assert ">= 4.2" in cluster["new_cluster"]["spark_version"]  # a placeholder naming the requirement
     assert not any(is_secret(k) for k in _keys(spec))
 
 

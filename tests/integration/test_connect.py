@@ -1,0 +1,386 @@
+"""Spark Connect (Databricks serverless, standard access mode): the source driven from a Connect
+client, against a Connect server this module starts (one for the module: a JVM costs seconds).
+
+Under Connect, foreachBatch runs in a Python process of the server's, and the jobs it triggers carry
+neither the query id nor the batch id; the tests check that verdicts, prompt acknowledgement,
+status, stop and restart behave as in classic mode, and that nothing is lost. The foreachBatch
+functions write what they saw as Parquet (they cannot append to a list in the test's process).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+
+import spark_share
+from spark_share.errors import VerdictError
+from support import Workload, check_no_loss, drain_share_group, gid, wait_until
+
+pytestmark = pytest.mark.slow
+
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def connect_url(tmp_path_factory):
+    """A Spark Connect server (local[2,2]) as a process of its own, like start-connect-server.sh;
+    its Python processes import spark_share and this suite's helpers."""
+    import pyspark
+
+    home = os.path.dirname(pyspark.__file__)
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("connect") / "server.log"
+    env = dict(os.environ, SPARK_HOME=home, PYSPARK_PYTHON=sys.executable,
+               PYTHONPATH=os.pathsep.join([os.path.join(TESTS, "integration"), TESTS]))
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(
+            [os.path.join(home, "bin", "spark-submit"), "--class",
+             "org.apache.spark.sql.connect.service.SparkConnectServer", "--master", "local[2,2]",
+             "--conf", f"spark.connect.grpc.binding.port={port}", "--conf", "spark.ui.enabled=false",
+             "--conf", "spark.sql.shuffle.partitions=2", "--conf", "spark.sql.streaming.stopTimeout=60s",
+             "--driver-memory", "1g", "spark-internal"],
+            env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        def up():
+            if server.poll() is not None:
+                raise AssertionError(f"the Connect server exited ({server.returncode}): "
+                                     + log_path.read_text()[-3000:])
+            try:
+                socket.create_connection(("127.0.0.1", port), 1).close()
+                return True
+            except OSError:
+                return False
+
+        wait_until(up, timeout=180, interval=0.5, message="the Connect server did not start")
+        yield f"sc://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(30)
+
+
+@pytest.fixture(scope="module")
+def remote(connect_url):
+    """A Connect client session with kafka-share registered, as a user of Databricks would have."""
+    from pyspark.sql.connect.session import SparkSession as ConnectSession
+
+    session = ConnectSession.builder.remote(connect_url).create()
+    spark_share.register(session)
+    try:
+        yield session
+    finally:
+        session.stop()
+
+
+def _read(remote, kafka, group, topic, **options):
+    r = (remote.readStream.format("kafka-share").option("kafka.bootstrap.servers", kafka.bootstrap_servers)
+         .option("kafka.group.id", group).option("subscribe", topic))
+    for k, v in options.items():
+        r = r.option(k, str(v))
+    return r.load()
+
+
+def _parquet_ids(path) -> list[int]:
+    files = glob.glob(os.path.join(str(path), "**", "*.parquet"), recursive=True)
+    out = []
+    for f in files:
+        for v in pq.read_table(f, columns=["value"]).column("value").to_pylist():
+            out.append(json.loads(bytes(v))["id"])
+    return out
+
+
+def _parquet_rows(path, columns) -> list[dict]:
+    files = glob.glob(os.path.join(str(path), "**", "*.parquet"), recursive=True)
+    return [r for f in files for r in pq.read_table(f, columns=columns).to_pylist()]
+
+
+def _json_lines(path) -> list[dict]:
+    return [json.loads(line) for f in sorted(glob.glob(os.path.join(str(path), "*.json")))
+            for line in open(f) if line.strip()]
+
+
+def test_verdicts_in_foreach_batch_on_the_server(remote, kafka, tmp_path):
+    """reject() and release() in foreachBatch, unchanged user code: dead letters with reasons, released
+    rows come back, AvailableNow drains and ends, nothing lost."""
+    w = Workload(kafka, "orders", partitions=2)
+    ids = w.produce(400)
+    out, dlq, seen = str(tmp_path / "out"), str(tmp_path / "dlq"), str(tmp_path / "seen")
+
+    def process(batch, batch_id):
+        from pyspark.sql import functions as F
+
+        import spark_share
+
+        rows = batch.withColumn("id", F.get_json_object(F.col("value").cast("string"), "$.id").cast("long"))
+        # a DataFrame, and a list of Rows (collected here): both forms of the classic API
+        spark_share.reject(rows.where("id % 10 = 0"), reason="tens")
+        spark_share.reject(rows.where("id % 10 = 5").collect(), reason="fives")
+        spark_share.release(rows.where("id % 10 = 1 AND deliveryCount = 1"))
+        keep = rows.where("id % 5 != 0 AND NOT (id % 10 = 1 AND deliveryCount = 1)")
+        keep.drop("id").write.mode("append").parquet(out)
+        os.makedirs(seen, exist_ok=True)
+        with open(os.path.join(seen, f"{batch_id}.json"), "w") as f:
+            f.write(json.dumps({"batch": batch_id, "rows": rows.count(), "session": batch.sparkSession.session_id}))
+
+    group = gid()
+    q = (_read(remote, kafka, group, "orders", deadLetterPath=dlq).writeStream.foreachBatch(process)
+         .option("checkpointLocation", str(tmp_path / "ck")).trigger(availableNow=True).start())
+    assert q.awaitTermination(180), "AvailableNow did not end under Spark Connect"
+    assert q.exception() is None, q.exception()
+    written = _parquet_ids(out)
+    dead = _parquet_rows(dlq, ["value", "reason"])
+    dead_ids = {json.loads(bytes(r["value"]))["id"]: r["reason"] for r in dead}
+    assert dead_ids == {i: ("tens" if i % 10 == 0 else "fives") for i in ids if i % 5 == 0}
+    assert sorted(written) == sorted(i for i in ids if i % 5 != 0), "a written row is missing or twice"
+    check_no_loss(ids, written, list(dead_ids))
+    batches = _json_lines(seen)
+    assert sum(b["rows"] for b in batches) == 400 + 40, "each id%10=1 record is read twice (released once)"
+    assert len({b["session"] for b in batches}) == 1, "one Connect session per query run"
+    assert drain_share_group(kafka.bootstrap_servers, group, ["orders"], timeout=3) == [], "records left behind"
+
+
+def test_prompt_acknowledgement_and_status_from_the_client(remote, kafka, tmp_path):
+    """processingTime 60 s and a 10 s lock: a committed batch is acknowledged within about a second,
+    by the listener that runs on the server; status() and lastProgress show it from the client."""
+    kafka.set_record_lock_duration(10_000)
+    w = Workload(kafka, "slow", partitions=2)
+    w.produce(100)
+    marks = str(tmp_path / "marks")
+
+    def process(batch, batch_id):
+        import time as _time
+
+        batch.count()
+        os.makedirs(marks, exist_ok=True)
+        with open(os.path.join(marks, f"{batch_id}.json"), "w") as f:
+            f.write(json.dumps({"batch": batch_id, "done": _time.time()}))
+
+    q = (_read(remote, kafka, gid(), "slow").writeStream.foreachBatch(process)
+         .option("checkpointLocation", str(tmp_path / "ck")).trigger(processingTime="60 seconds").start())
+    try:
+        first = wait_until(lambda: [m for m in _json_lines(marks) if m["batch"] == 0], timeout=90,
+                           message="the first batch never ran")[0]
+        # The progress event follows the commit; the server's listener acknowledges on it.
+        progress = wait_until(lambda: q.lastProgress, timeout=10, message="no progress from the server")
+        status = spark_share.status(q)
+        assert status["tracker"] and status["batch"] == 0
+        acked = wait_until(lambda: _acked_batch(remote, q, 0), timeout=5,
+                           message="acknowledgements waited for the next trigger under Spark Connect")
+        assert acked["accepted"] == 100 and acked.get("expired", 0) == 0
+        assert acked["ackedAt"] - first["done"] < 2.0, acked
+        assert progress["batchId"] == 0
+    finally:
+        q.stop()
+
+
+def _acked_batch(remote, q, batch: int):
+    """The tracker's summary of ``batch`` once acknowledged (the server runs on this host, so the
+    client's status() reaches the tracker itself)."""
+    st = spark_share.status(q)
+    return next((b for b in st.get("batches", []) if b["batch"] == batch and b["state"] == "acked"), None)
+
+
+def test_status_needs_a_kafka_share_progress(remote, kafka, tmp_path):
+    kafka.create_topic("quiet", 1)
+    q = (_read(remote, kafka, gid(), "quiet").writeStream.format("noop")
+         .option("checkpointLocation", str(tmp_path / "ck")).start())
+    try:
+        wait_until(lambda: q.lastProgress is not None, timeout=90, message="no progress")
+        assert spark_share.status(q)["acquired"] == 0
+    finally:
+        q.stop()
+    other = remote.readStream.format("rate").load().writeStream.format("noop").start()
+    try:
+        wait_until(lambda: other.lastProgress is not None, timeout=60, message="no progress")
+        with pytest.raises(VerdictError, match="no kafka-share progress"):
+            spark_share.status(other)
+    finally:
+        other.stop()
+
+
+def test_bad_verdicts_are_the_classic_errors(remote, kafka, tmp_path):
+    from pyspark.sql import Row
+
+    w = Workload(kafka, "bad", partitions=1)
+    w.produce(10)
+    with pytest.raises(VerdictError, match="inside foreachBatch"):
+        spark_share.reject([Row(topic="bad", partition=0, offset=1)])
+    errs = str(tmp_path / "errs")
+
+    def process(batch, batch_id):
+        from pyspark.sql import Row
+
+        import spark_share
+        from spark_share.errors import VerdictError
+
+        if batch.count() == 0:
+            return
+        found = {}
+        for name, call in {
+            "columns": lambda: spark_share.reject(batch.select("value")),
+            "foreign": lambda: spark_share.reject([Row(topic="bad", partition=0, offset=999),
+                                                   Row(topic="bad", partition=0, offset=0)]),
+            "both": lambda: (spark_share.reject(batch.where("offset = 1")),
+                             spark_share.release(batch.where("offset = 1"))),
+        }.items():
+            try:
+                call()
+                found[name] = None
+            except VerdictError as e:
+                found[name] = str(e)
+        os.makedirs(errs, exist_ok=True)
+        with open(os.path.join(errs, f"{batch_id}.json"), "w") as f:
+            f.write(json.dumps(found))
+
+    q = (_read(remote, kafka, gid(), "bad").writeStream.foreachBatch(process)
+         .option("checkpointLocation", str(tmp_path / "ck")).trigger(availableNow=True).start())
+    assert q.awaitTermination(180)
+    assert q.exception() is None
+    found = _json_lines(errs)[0]
+    assert "lack the column(s) ['topic', 'partition', 'offset']" in found["columns"]
+    assert "1 of 2 rows are not from batch" in found["foreign"]
+    assert "already given the opposite verdict" in found["both"]
+
+
+def test_failure_stop_and_restart_lose_nothing(remote, kafka, tmp_path):
+    """foreachBatch raises after writing its batch (the query fails, the rows come back); a restart
+    from the checkpoint goes on; a stop mid-batch releases what the batch held."""
+    w = Workload(kafka, "jobs", partitions=2)
+    ids = w.produce(300)
+    out, marks, group, ck = str(tmp_path / "out"), str(tmp_path / "marks"), gid(), str(tmp_path / "ck")
+
+    def failing(batch, batch_id):
+        batch.write.mode("append").parquet(out)
+        raise RuntimeError("injected failure after the sink write")
+
+    q = (_read(remote, kafka, group, "jobs", maxRecordsPerTrigger=100).writeStream.foreachBatch(failing)
+         .option("checkpointLocation", ck).start())
+    with pytest.raises(Exception, match="injected failure"):
+        q.awaitTermination(180)
+    first = _parquet_ids(out)
+    assert first, "the failing batch wrote nothing"
+
+    def slow(batch, batch_id):
+        import time as _time
+
+        batch.write.mode("append").parquet(out)
+        os.makedirs(marks, exist_ok=True)
+        open(os.path.join(marks, f"{batch_id}.json"), "w").write(json.dumps({"batch": batch_id}))
+        if batch_id == 2:
+            _time.sleep(600)  # the test stops the query in here
+
+    q = (_read(remote, kafka, group, "jobs", maxRecordsPerTrigger=100).writeStream.foreachBatch(slow)
+         .option("checkpointLocation", ck).start())
+    wait_until(lambda: any(m["batch"] == 2 for m in _json_lines(marks)), timeout=120,
+               message="the restarted query never reached batch 2")
+    q.stop()
+    assert not q.isActive
+
+    q = (_read(remote, kafka, group, "jobs").writeStream
+         .foreachBatch(lambda batch, batch_id: batch.write.mode("append").parquet(out))
+         .option("checkpointLocation", ck).trigger(availableNow=True).start())
+    assert q.awaitTermination(180)
+    report = check_no_loss(ids, _parquet_ids(out), duplicates_reason="the failed batch and the stopped one "
+                           "were written, then redelivered")
+    assert report.duplicates >= len(first), "the failed batch's rows were not delivered again"
+
+
+def test_the_job_runs_against_a_connect_server(connect_url, tmp_path):
+    """jobs/queue_to_table.py --remote: the scheduled job as a Spark Connect client (its foreachBatch
+    runs on the server, so its summary is counted from the progress and the tables)."""
+    job_file = os.path.join(os.path.dirname(TESTS), "jobs", "queue_to_table.py")
+    out = subprocess.run([sys.executable, job_file, "--remote", connect_url, "--records", "1500",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+
+    def count(label):
+        m = re.search(rf"^  {label} +([\d,]+)", text, re.M)
+        assert m, f"no '{label}' in the summary:\n{text}"
+        return int(m.group(1).replace(",", ""))
+
+    written_rows = _parquet_rows(tmp_path / "orders", ["status", "deliveryCount"])
+    pending = [r for r in written_rows if r["status"] == "pending"]
+    assert count("produced") == 1500
+    assert count("written") == len(written_rows) and count("written") + count("rejected") == 1500
+    # released comes from the rows Spark read: each pending order is released once, then written
+    assert count("released") == len(pending) > 0 and all(r["deliveryCount"] == 2 for r in pending)
+    assert count("records read") == 1500 + len(pending)
+    assert count("duplicates in table") == 0
+    assert re.search(r"^batch 0: read \d+", text, re.M), text
+
+
+def test_the_job_refuses_a_master_and_a_remote_together(tmp_path):
+    root = os.path.dirname(TESTS)
+    raw = json.load(open(os.path.join(root, "conf", "local.json")))
+    cfg = tmp_path / "c.json"  # beside the schema file it names
+    cfg.write_text(json.dumps(dict(raw, spark_master="local[2]")))
+    shutil.copy(os.path.join(root, "conf", "orders.schema.ddl"), tmp_path)
+    job_file = os.path.join(root, "jobs", "queue_to_table.py")
+    out = subprocess.run([sys.executable, job_file, "--config", str(cfg), "--remote", "sc://127.0.0.1:1"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "'spark_master'" in out.stderr and "--remote" in out.stderr, out.stderr
+
+
+# --- the tracker's side, without a server ------------------------------------------------------------
+def test_job_tags_name_the_connect_session():
+    from spark_share.connect import session_of_job_tags
+
+    sid = "0b9c3c1e-52f4-4d8a-9a57-3d0d8f1e2a7b"
+    tags = f"spark-connect,SparkConnect_OperationTag_User_alice_Session_{sid}_Operation_9f1c8e2a-1b2c-4d5e-8f90-a1b2c3d4e5f6"
+    assert session_of_job_tags(tags) == sid
+    assert session_of_job_tags("my-tag,other") is None and session_of_job_tags(None) is None
+
+
+def test_verdicts_find_their_batch_by_connect_session(kafka):
+    """Under Connect a verdict names no batch: the tracker picks the batch its reads ran for in that
+    session (the latest still being processed); a tracker without one answers no match and records
+    nothing; rows of another batch are refused as in classic mode."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from spark_share.batches import REJECT
+    from spark_share.options import parse_options
+    from spark_share.protocol import Acquired, Claim, Verdicts
+    from spark_share.tracker import Tracker
+
+    kafka.create_topic("by-session", 1)
+    t = Tracker(parse_options({"kafka.bootstrap.servers": kafka.bootstrap_servers, "kafka.group.id": gid(),
+                               "subscribe": "by-session"}))
+    conn = SimpleNamespace(info={"agent_id": "a1"})
+    done = Future()
+    done.set_result(({"queued": 0}, b""))
+    t.agents["a1"] = SimpleNamespace(info={"agent_id": "a1"}, call_async=lambda req: done)  # takes prefetches
+    mine, other = "11111111-2222-3333-4444-555555555555", "66666666-7777-8888-9999-000000000000"
+    try:
+        for n in (0, 1):
+            t.plan(n, None)
+            assert t._claim(conn, Claim(n, 0, connect_session=mine)) == {"owner": "a1"}
+            t._acquired(conn, Acquired(n, 0, rows=5, offsets={"by-session": {"0": [[n * 5, n * 5 + 4]]}}))
+        assert t._verdicts(conn, Verdicts(None, "reject", [["by-session", 0, 7]], "bad", connect_session=other)) \
+            == {"match": False}
+        rep = t._verdicts(conn, Verdicts(None, "reject", [["by-session", 0, 7]], "bad", connect_session=mine))
+        assert rep["match"] and rep["records"] == 1
+        assert t.batches[1].verdicts == {("by-session", 0, 7): (REJECT, "bad")} and not t.batches[0].verdicts
+        with pytest.raises(ValueError, match="not from batch"):  # batch 0's offset, in batch 1's session
+            t._verdicts(conn, Verdicts(None, "release", [["by-session", 0, 2]], connect_session=mine))
+    finally:
+        t.agents.clear()
+        t.shutdown()
