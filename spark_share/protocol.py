@@ -65,6 +65,7 @@ class Acquired(Message):
     poison: list[list] = field(default_factory=list)  # [topic, partition, offset, deliveryCount]
     redelivered: int = 0
     spark_batch: int | None = None
+    members: int = 0  # the share consumers (group members) the reporting agent has
 
 
 @dataclass

@@ -172,6 +172,7 @@ class Tracker:
         with self._lock:
             self.agents[m.agent_id] = conn
         conn.info["agent_id"] = m.agent_id
+        conn.info["host"] = m.host
         log.info("agent %s joined (pid %s on %s)", m.agent_id, m.pid, m.host)
         # No client config here: credentials reach agents with the read task, never over this socket.
         latest = self._latest()
@@ -247,6 +248,7 @@ class Tracker:
                 log.warning("batch %d: %d records reached maxDeliveryCount %s; they are rejected to the dead-letter "
                             "target instead of being processed again", m.batch, len(m.poison), limit)
             self.total_acquired += m.rows
+            conn.info["members"] = m.members
         return {"ok": True}
 
     def _relay(self, conn: wire.RpcConnection, m: Fetch) -> tuple[dict, bytes]:
@@ -470,6 +472,12 @@ class Tracker:
             out["batches"] = [b.summary() for _, b in sorted(self.batches.items())[-20:]]
             out["sessions"] = sorted({a.get("session") for b in self.batches.values() for a in b.acquired.values()
                                       if a.get("session")})
+            hosts: dict[str, dict] = {}
+            for conn in self.agents.values():
+                h = hosts.setdefault(conn.info.get("host") or "?", {"agents": 0, "members": 0})
+                h["agents"] += 1
+                h["members"] += conn.info.get("members", 0)
+            out["hosts"] = hosts  # group members per host, as of each agent's last acquisition
         return out
 
     # shutdown -----------------------------------------------------------------------------

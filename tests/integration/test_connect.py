@@ -156,7 +156,7 @@ def test_verdicts_in_foreach_batch_on_the_server(remote, kafka, tmp_path):
     assert drain_share_group(kafka.bootstrap_servers, group, ["orders"], timeout=3) == [], "records left behind"
 
 
-def test_prompt_acknowledgement_and_status_from_the_client(remote, kafka, tmp_path):
+def test_prompt_acknowledgement_and_status_from_the_client(remote, kafka, tmp_path, monkeypatch):
     """processingTime 60 s and a 10 s lock: a committed batch is acknowledged within about a second,
     by the listener that runs on the server; status() and lastProgress show it from the client."""
     kafka.set_record_lock_duration(10_000)
@@ -186,6 +186,15 @@ def test_prompt_acknowledgement_and_status_from_the_client(remote, kafka, tmp_pa
         assert acked["accepted"] == 100 and acked.get("expired", 0) == 0
         assert acked["ackedAt"] - first["done"] < 2.0, acked
         assert progress["batchId"] == 0
+        # A client on another host (here: a runtime directory without the tracker's entry) sees the
+        # counts of the last progress, as of that batch's planning.
+        other_host = tmp_path / "elsewhere"
+        other_host.mkdir(mode=0o700)
+        monkeypatch.setenv("SPARK_SHARE_RUNTIME_DIR", str(other_host))
+        seen = spark_share.status(q)
+        assert seen["view"] == "lastProgress" and seen["sparkBatch"] == 0 and seen["tracker"] == status["tracker"]
+        assert {"acquired", "accepted", "released", "rejected", "lockDurationMs"} <= set(seen)
+        assert "batches" not in seen  # the full status needs the tracker
     finally:
         q.stop()
 
@@ -197,13 +206,19 @@ def _acked_batch(remote, q, batch: int):
     return next((b for b in st.get("batches", []) if b["batch"] == batch and b["state"] == "acked"), None)
 
 
-def test_status_needs_a_kafka_share_progress(remote, kafka, tmp_path):
-    kafka.create_topic("quiet", 1)
-    q = (_read(remote, kafka, gid(), "quiet").writeStream.format("noop")
+def test_default_trigger_into_a_file_sink_and_status_needs_progress(remote, kafka, tmp_path):
+    """The default trigger into a Parquet sink (no foreachBatch): every record lands and is accepted;
+    status() of a query that is not kafka-share says so."""
+    w = Workload(kafka, "plain", partitions=2)
+    ids = w.produce(200)
+    out = str(tmp_path / "out")
+    q = (_read(remote, kafka, gid(), "plain").writeStream.format("parquet").option("path", out)
          .option("checkpointLocation", str(tmp_path / "ck")).start())
     try:
-        wait_until(lambda: q.lastProgress is not None, timeout=90, message="no progress")
-        assert spark_share.status(q)["acquired"] == 0
+        wait_until(lambda: len(_parquet_ids(out)) >= 200, timeout=120, message="the file sink did not get every row")
+        assert check_no_loss(ids, _parquet_ids(out)).duplicates == 0
+        wait_until(lambda: spark_share.status(q)["accepted"] == 200, timeout=30,
+                   message="the rows in the file sink were not acknowledged")
     finally:
         q.stop()
     other = remote.readStream.format("rate").load().writeStream.format("noop").start()
@@ -258,6 +273,28 @@ def test_bad_verdicts_are_the_classic_errors(remote, kafka, tmp_path):
     assert "1 of 2 rows are not from batch" in found["foreign"]
     assert "already given the opposite verdict" in found["both"]
 
+    def not_ours(batch, batch_id):  # foreachBatch of a query that does not read kafka-share
+        from pyspark.sql import Row
+
+        import spark_share
+        from spark_share.errors import VerdictError
+
+        try:
+            spark_share.reject([Row(topic="bad", partition=0, offset=1)])
+            error = None
+        except VerdictError as e:
+            error = str(e)
+        os.makedirs(errs, exist_ok=True)
+        with open(os.path.join(errs, "rate.json"), "w") as f:
+            f.write(json.dumps({"not_ours": error}))
+
+    q = (remote.readStream.format("rate").option("rowsPerSecond", 5).load().writeStream.foreachBatch(not_ours)
+         .trigger(availableNow=True).start())
+    assert q.awaitTermination(120)
+    (found,) = [e for e in _json_lines(errs) if "not_ours" in e]
+    assert "not from the batch being processed by a running kafka-share query" in found["not_ours"]
+    assert "SPARK_SHARE_RUNTIME_DIR" in found["not_ours"]
+
 
 def test_failure_stop_and_restart_lose_nothing(remote, kafka, tmp_path):
     """foreachBatch raises after writing its batch (the query fails, the rows come back); a restart
@@ -303,11 +340,13 @@ def test_failure_stop_and_restart_lose_nothing(remote, kafka, tmp_path):
 
 
 def test_the_job_runs_against_a_connect_server(connect_url, tmp_path):
-    """jobs/queue_to_table.py --remote: the scheduled job as a Spark Connect client (its foreachBatch
+    """jobs/queue_to_table.py against a Connect server: the scheduled job as a Spark Connect client (its foreachBatch
     runs on the server, so its summary is counted from the progress and the tables)."""
     job_file = os.path.join(os.path.dirname(TESTS), "jobs", "queue_to_table.py")
-    out = subprocess.run([sys.executable, job_file, "--remote", connect_url, "--records", "1500",
-                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+    # SPARK_REMOTE, as `spark-submit --remote` sets it (--remote on the job's command line does the same)
+    out = subprocess.run([sys.executable, job_file, "--records", "1500", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
+                         env=dict(os.environ, SPARK_REMOTE=connect_url))
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
 
@@ -327,16 +366,20 @@ def test_the_job_runs_against_a_connect_server(connect_url, tmp_path):
     assert re.search(r"^batch 0: read \d+", text, re.M), text
 
 
-def test_the_job_refuses_a_master_and_a_remote_together(tmp_path):
+@pytest.mark.parametrize("how", ["--remote", "SPARK_REMOTE"])
+def test_the_job_refuses_a_master_and_a_remote_together(tmp_path, how):
     root = os.path.dirname(TESTS)
     raw = json.load(open(os.path.join(root, "conf", "local.json")))
     cfg = tmp_path / "c.json"  # beside the schema file it names
     cfg.write_text(json.dumps(dict(raw, spark_master="local[2]")))
     shutil.copy(os.path.join(root, "conf", "orders.schema.ddl"), tmp_path)
     job_file = os.path.join(root, "jobs", "queue_to_table.py")
-    out = subprocess.run([sys.executable, job_file, "--config", str(cfg), "--remote", "sc://127.0.0.1:1"],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "'spark_master'" in out.stderr and "--remote" in out.stderr, out.stderr
+    url = "sc://127.0.0.1:1"
+    args = ["--remote", url] if how == "--remote" else []
+    env = dict(os.environ, SPARK_REMOTE=url) if how == "SPARK_REMOTE" else None
+    out = subprocess.run([sys.executable, job_file, "--config", str(cfg), *args],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 2 and "'spark_master'" in out.stderr and how in out.stderr, out.stderr
 
 
 # --- the tracker's side, without a server ------------------------------------------------------------
@@ -384,3 +427,14 @@ def test_verdicts_find_their_batch_by_connect_session(kafka):
     finally:
         t.agents.clear()
         t.shutdown()
+
+
+def test_a_server_that_refuses_the_listener_is_named(monkeypatch):
+    """Without the server-side listener, acknowledgements wait for the next trigger: the user is told
+    so, and what to do."""
+    from spark_share import connect, listener
+
+    monkeypatch.setattr(connect, "is_connect", lambda spark: True)
+    monkeypatch.setattr(connect, "install_server_listener", lambda spark, listener: False)
+    with pytest.warns(UserWarning, match="refused a server-side query listener.*well below"):
+        listener.install_listener(object())

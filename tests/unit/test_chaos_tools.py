@@ -77,3 +77,33 @@ def test_what_spark_keeps_per_query_run_is_judged_apart():
     for i, x in enumerate(s):
         x["kinds"]["driver"]["threads"] += i  # twice as fast as the runs: a leak of its own
     assert grows(s) == {"driver threads"}
+
+
+def test_spark_bounded_pool_threads_are_counted_apart():
+    """Threads named as Spark's capped block-manager pools are not JVM threads the verdict judges."""
+    import subprocess
+    import sys
+
+    from resources import _bounded_pool_threads
+
+    helper = subprocess.Popen([sys.executable, "-c", """
+import sys, threading
+named = threading.Barrier(7)  # six named threads and this one
+def run(name):
+    with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
+        f.write(name)
+    named.wait()
+    sys.stdin.read()
+for i in range(5):
+    threading.Thread(target=run, args=("block-manager-ask-" if i % 2 else "block-manager-storage",), daemon=True).start()
+threading.Thread(target=run, args=("Executor task",), daemon=True).start()
+named.wait()
+print("ready", flush=True)
+sys.stdin.read()
+"""], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert helper.stdout.readline().strip() == "ready"
+        assert _bounded_pool_threads(helper.pid) == 5
+    finally:
+        helper.stdin.close()
+        helper.wait(10)

@@ -1,0 +1,251 @@
+"""A Spark standalone cluster whose driver and workers are separate "hosts" on this machine.
+
+A host is a network namespace (its own address on a bridge, its own ports and loopback) entered
+together with a UTS namespace (its own hostname) and a mount namespace (its own tmpfs ``/tmp``, so
+spark-share's runtime directory, agents and logs are per host, as on real machines). The embedded
+broker stays in the test's process; socat makes each of its ports reachable at the same
+``127.0.0.1:port`` on every host (the address the broker advertises). A directory outside ``/tmp``
+plays the shared filesystem (sink, checkpoint, dead letters, the driver program's results).
+
+Owns: the bridge, the namespaces, the forwarders, the master and the workers, and stopping every
+process it started (a host's processes are found by its network namespace, so executors, Python
+workers and agents go too). Needs root (``ip netns``, ``unshare``) and socat; without them it fails
+saying so. Sends traffic only to loopback and to the namespaces' addresses.
+
+By hand (what the fixture does), e.g. for a driver host and one worker::
+
+    ip link add ssb0 type bridge && ip addr add 10.231.7.1/24 dev ssb0 && ip link set ssb0 up
+    ip netns add ss-w1 && ip link add ssv1 type veth peer name eth0 netns ss-w1
+    ip link set ssv1 master ssb0 up && ip -n ss-w1 addr add 10.231.7.11/24 dev eth0
+    ip -n ss-w1 link set eth0 up && ip -n ss-w1 link set lo up
+    ip netns exec ss-w1 unshare --uts --mount --propagation private \\
+        sh -c 'hostname w1; mount -t tmpfs tmpfs /tmp; exec $SPARK_HOME/bin/spark-class \\
+               org.apache.spark.deploy.worker.Worker spark://10.231.7.10:7077 --host 10.231.7.11'
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+HOST_SHELL = 'hostname "$0"; mount -t tmpfs -o mode=1777 tmpfs /tmp; exec "$@"'
+MASTER_PORT = 7077
+
+
+def _run(*argv: str) -> None:
+    out = subprocess.run(list(argv), capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed ({out.returncode}): {out.stderr.strip()}")
+
+
+def _wait_port(ns: str, ip: str, port: int, timeout: float, proc: subprocess.Popen, what: str, log: str) -> None:
+    deadline = time.monotonic() + timeout
+    probe = f"import socket; socket.create_connection(({ip!r}, {port}), 1).close()"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited ({proc.returncode}); its log: {_tail(log)}")
+        if subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", probe], capture_output=True).returncode == 0:
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"{what} did not listen on {ip}:{port} within {timeout:.0f} s; its log: {_tail(log)}")
+
+
+def _tail(path: str, n: int = 3000) -> str:
+    try:
+        return open(path, errors="replace").read()[-n:]
+    except OSError:
+        return "(no log)"
+
+
+class NamespaceCluster:
+    """``workers`` worker hosts (``cores`` each) and a driver host that also runs the master."""
+
+    def __init__(self, workers: int = 2, cores: int = 1, memory: str = "1g"):
+        if os.geteuid() != 0:
+            raise RuntimeError("the cluster tests need root, to create network namespaces (ip netns, unshare)")
+        for tool in ("ip", "unshare", "socat"):
+            if shutil.which(tool) is None:
+                raise RuntimeError(f"the cluster tests need `{tool}` (Debian: apt-get install iproute2 util-linux socat)")
+        import pyspark
+
+        self.spark_home = os.path.dirname(pyspark.__file__)
+        self.tag = f"{os.getpid() % 10000:04d}{random.randrange(100):02d}"  # interface names: <= 15 chars
+        self.subnet = self._free_subnet()
+        self.bridge_ip = f"{self.subnet}.1"
+        self.hosts = {"driver": f"{self.subnet}.10"}
+        self.hosts.update({f"w{i}": f"{self.subnet}.{10 + i}" for i in range(1, workers + 1)})
+        self.cores, self.memory = cores, memory
+        self.shared = tempfile.mkdtemp(prefix="spark-share-cluster-", dir="/var/tmp")
+        os.chmod(self.shared, 0o755)
+        self.logs = os.path.join(self.shared, "logs")
+        os.makedirs(self.logs)
+        self._procs: list[subprocess.Popen] = []
+        self._forwarded: set[int] = set()
+        self._made_bridge = False
+        self._made_ns: list[str] = []
+
+    # names -------------------------------------------------------------------------------
+    def ns(self, host: str) -> str:
+        return f"ss{self.tag}-{host}"
+
+    @property
+    def master_url(self) -> str:
+        return f"spark://{self.hosts['driver']}:{MASTER_PORT}"
+
+    @staticmethod
+    def _free_subnet() -> str:
+        used = subprocess.run(["ip", "-4", "addr"], capture_output=True, text=True).stdout
+        for _ in range(50):
+            subnet = f"10.{random.randrange(200, 250)}.{random.randrange(1, 250)}"
+            if f" {subnet}." not in used:
+                return subnet
+        raise RuntimeError("no free 10.x.y.0/24 subnet for the cluster's bridge")
+
+    # life cycle ---------------------------------------------------------------------------
+    def start(self) -> NamespaceCluster:
+        try:
+            self._network()
+            self._start_master_and_workers()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _network(self) -> None:
+        br = f"ssb{self.tag}"
+        try:
+            _run("ip", "link", "add", br, "type", "bridge")
+        except RuntimeError as e:
+            raise RuntimeError(f"cannot create network namespaces for the cluster tests (root and CAP_NET_ADMIN "
+                               f"are needed): {e}") from None
+        self._made_bridge = True
+        _run("ip", "addr", "add", f"{self.bridge_ip}/24", "dev", br)
+        _run("ip", "link", "set", br, "up")
+        for i, (host, ip) in enumerate(self.hosts.items()):
+            ns, veth = self.ns(host), f"ssv{self.tag}{i}"
+            _run("ip", "netns", "add", ns)
+            self._made_ns.append(ns)
+            _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _run("ip", "link", "set", veth, "master", br, "up")
+            _run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
+            _run("ip", "-n", ns, "link", "set", "eth0", "up")
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+
+    def spawn(self, host: str, argv: list[str], env: dict | None = None, log_name: str | None = None,
+              cwd: str | None = None) -> subprocess.Popen:
+        """A process on ``host`` (its own hostname and /tmp), logging to the shared logs directory."""
+        log_path = os.path.join(self.logs, log_name or f"{host}-{os.path.basename(argv[0])}.log")
+        full_env = dict(os.environ, **(env or {}))
+        with open(log_path, "ab") as log:
+            p = subprocess.Popen(["ip", "netns", "exec", self.ns(host), "unshare", "--uts", "--mount",
+                                  "--propagation", "private", "sh", "-c", HOST_SHELL, host, *argv],
+                                 env=full_env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd or self.shared,
+                                 start_new_session=True)
+        p.log_path = log_path  # type: ignore[attr-defined]
+        self._procs.append(p)
+        return p
+
+    def _spark_env(self, host: str) -> dict:
+        ip = self.hosts[host]
+        return {"SPARK_HOME": self.spark_home, "SPARK_LOCAL_IP": ip, "SPARK_LOCAL_HOSTNAME": ip,
+                "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable,
+                "SPARK_NO_DAEMONIZE": "1"}
+
+    def _start_master_and_workers(self) -> None:
+        spark_class = os.path.join(self.spark_home, "bin", "spark-class")
+        drv = self.hosts["driver"]
+        master = self.spawn("driver", [spark_class, "org.apache.spark.deploy.master.Master", "--host", drv,
+                                       "--port", str(MASTER_PORT), "--webui-port", "8080"],
+                            env=self._spark_env("driver"), log_name="master.log")
+        _wait_port(self.ns("driver"), drv, MASTER_PORT, 120, master, "the Spark master", master.log_path)
+        self.workers = {}
+        for host, ip in self.hosts.items():
+            if host == "driver":
+                continue
+            w = self.spawn(host, [spark_class, "org.apache.spark.deploy.worker.Worker", self.master_url,
+                                  "--host", ip, "--port", "7078", "--webui-port", "8081", "--cores", str(self.cores),
+                                  "--memory", self.memory, "--work-dir", "/tmp/spark-work"],
+                           env=self._spark_env(host), log_name=f"worker-{host}.log")
+            self.workers[host] = w
+        for host, w in self.workers.items():
+            _wait_port(self.ns(host), self.hosts[host], 7078, 120, w, f"the Spark worker on {host}", w.log_path)
+
+    def forward(self, bootstrap_servers: str) -> None:
+        """Make each broker of ``bootstrap_servers`` (127.0.0.1:port in this process's namespace)
+        reachable at the same address on every host."""
+        for addr in bootstrap_servers.split(","):
+            port = int(addr.rsplit(":", 1)[1])
+            if port in self._forwarded:
+                continue
+            self._forwarded.add(port)
+            root = subprocess.Popen(["socat", f"TCP-LISTEN:{port},bind={self.bridge_ip},fork,reuseaddr",
+                                     f"TCP:127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                    start_new_session=True)
+            self._procs.append(root)
+            for host in self.hosts:
+                p = subprocess.Popen(["ip", "netns", "exec", self.ns(host), "socat",
+                                      f"TCP-LISTEN:{port},bind=127.0.0.1,fork,reuseaddr",
+                                      f"TCP:{self.bridge_ip}:{port}"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                self._procs.append(p)
+            self._wait_forwarded(port)
+
+    def _wait_forwarded(self, port: int) -> None:
+        probe = f"import socket; socket.create_connection(('127.0.0.1', {port}), 1).close()"
+        for host in self.hosts:
+            deadline = time.monotonic() + 30
+            while subprocess.run(["ip", "netns", "exec", self.ns(host), sys.executable, "-c", probe],
+                                 capture_output=True).returncode != 0:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the broker port {port} is not reachable from {host}")
+                time.sleep(0.2)
+
+    def pids(self, host: str) -> list[int]:
+        """Every process on ``host`` (in its network namespace)."""
+        out = subprocess.run(["ip", "netns", "pids", self.ns(host)], capture_output=True, text=True).stdout
+        return [int(p) for p in out.split()]
+
+    def kill_host(self, host: str) -> list[int]:
+        """SIGKILL everything on ``host``: its worker, executors, Python workers and agents (a machine
+        that died)."""
+        pids = self.pids(host)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return pids
+
+    def stop(self) -> None:
+        for host in list(self.hosts):
+            if self.ns(host) in self._made_ns:
+                self.kill_host(host)
+        for p in self._procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        for ns in self._made_ns:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self._made_ns.clear()
+        if self._made_bridge:
+            subprocess.run(["ip", "link", "del", f"ssb{self.tag}"], capture_output=True)
+            self._made_bridge = False
+        shutil.rmtree(self.shared, ignore_errors=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

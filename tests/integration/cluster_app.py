@@ -1,0 +1,120 @@
+"""The driver program of the cluster tests: runs on the driver host of a NamespaceCluster, reads a
+topic with kafka-share, and writes what it saw to ``<shared>/result.json`` (the test's process
+cannot share a SparkContext with it).
+
+    python cluster_app.py drain  --master URL --driver-host IP --bootstrap B --topic T --group G --shared DIR
+    python cluster_app.py stream ... (processingTime; stops when <shared>/stop exists)
+
+Every batch does two actions (a count, then the write), without persist: the second reads the batch
+again, possibly on another host. While the query runs, a thread samples ``status()``: agents,
+consumers (share sessions) per host, the most that held records at once.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+
+import spark_share
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["drain", "stream"])
+    ap.add_argument("--master", required=True)
+    ap.add_argument("--driver-host", required=True)
+    ap.add_argument("--bootstrap", required=True)
+    ap.add_argument("--topic", required=True)
+    ap.add_argument("--group", required=True)
+    ap.add_argument("--shared", required=True)
+    ap.add_argument("--partitions", default="8")
+    ap.add_argument("--cores-max", default="3")
+    ap.add_argument("--max-per-trigger", default=None)
+    ap.add_argument("--conf", action="append", default=[], help="extra Spark conf key=value")
+    args = ap.parse_args(argv)
+
+    from pyspark.sql import SparkSession
+
+    builder = (SparkSession.builder.master(args.master).appName("spark-share-cluster-test")
+               .config("spark.driver.host", args.driver_host).config("spark.driver.bindAddress", args.driver_host)
+               .config("spark.executor.cores", "1").config("spark.executor.memory", "640m")
+               .config("spark.cores.max", args.cores_max).config("spark.ui.enabled", "false")
+               .config("spark.task.maxFailures", "4").config("spark.sql.shuffle.partitions", "2")
+               .config("spark.sql.streaming.stopTimeout", "60s"))
+    for kv in args.conf:
+        k, v = kv.split("=", 1)
+        builder = builder.config(k, v)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("WARN")
+    spark_share.register(spark)
+    out = os.path.join(args.shared, "out")
+    batches: list[dict] = []
+
+    seen_path = os.path.join(args.shared, "batches.jsonl")
+
+    def process(batch, batch_id):
+        from pyspark.sql import functions as F
+
+        n = batch.count()  # first action
+        (batch.select("key", "value", "topic", "partition", "offset", "deliveryCount")
+         .withColumn("batch", F.lit(batch_id))
+         .write.mode("append").parquet(out))  # second action: the batch is read again, maybe on another host
+        batches.append({"batch": batch_id, "count": n, "t": time.time()})
+        with open(seen_path, "a") as f:  # the test follows the stream here
+            f.write(json.dumps(batches[-1]) + "\n")
+
+    q = (spark.readStream.format("kafka-share").option("kafka.bootstrap.servers", args.bootstrap)
+         .option("kafka.group.id", args.group).option("subscribe", args.topic)
+         .option("numPartitions", args.partitions)
+         .options(**({"maxRecordsPerTrigger": args.max_per_trigger} if args.max_per_trigger else {})).load()
+         .writeStream.foreachBatch(process).option("checkpointLocation", os.path.join(args.shared, "ck")))
+    q = (q.trigger(availableNow=True) if args.mode == "drain" else q.trigger(processingTime="1 second")).start()
+
+    samples: list[dict] = []
+    done = threading.Event()
+
+    def sample():
+        while not done.wait(0.5):
+            try:
+                st = spark_share.status(q)
+            except Exception as e:  # the query ended between two samples
+                samples.append({"error": str(e)[:200]})
+                continue
+            samples.append({"t": time.time(), "agents": st["agents"], "hosts": st.get("hosts"),
+                            "expired": st["expired"], "batch": st["batch"]})
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    ready = os.path.join(args.shared, "running")
+    open(ready, "w").close()
+    error = None
+    try:
+        if args.mode == "drain":
+            q.awaitTermination(600)
+        else:
+            stop = os.path.join(args.shared, "stop")
+            while not os.path.exists(stop) and q.isActive:
+                q.awaitTermination(0.5)
+        final = spark_share.status(q) if q.isActive else None
+        q.stop()
+        if q.exception() is not None:
+            error = str(q.exception())[:2000]
+    except Exception as e:
+        error = str(e)[:2000]
+        final = None
+    done.set()
+    sampler.join()
+    result = {"batches": batches, "samples": samples, "final": final, "error": error,
+              "lastProgress": json.loads(q.lastProgress.json) if q.lastProgress else None}
+    with open(os.path.join(args.shared, "result.json.tmp"), "w") as f:
+        json.dump(result, f)
+    os.replace(os.path.join(args.shared, "result.json.tmp"), os.path.join(args.shared, "result.json"))
+    spark.stop()
+    return 0 if error is None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
