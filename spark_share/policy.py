@@ -11,6 +11,8 @@ is a plain object so that it can be tested in milliseconds.
 """
 from __future__ import annotations
 
+from collections import deque
+
 from .batches import BatchState
 
 AVAILABLE_NOW_EMPTY_RETRIES = 5
@@ -23,6 +25,7 @@ LOCK_WARN_FRACTION = 0.8
 # redeploy of the sink) must not leave a stream of tiny batches that can never catch up.
 GROW_AFTER_BATCHES = 10
 GROW_BELOW_FRACTION = 0.5
+RECENT_HOLDS = 20  # batches whose hold times say the lock is at least that long
 
 Partition = tuple[str, int]
 
@@ -51,6 +54,7 @@ class BatchPolicy:
         self.lock_safe_records: int | None = None
         self.batches_within_lock = 0  # in a row, since the last change of lock_safe_records
         self.lock_ms = float(DEFAULT_LOCK_MS)  # the record lock duration, as far as the source knows
+        self.recent_holds: deque[float] = deque(maxlen=RECENT_HOLDS)  # of batches acknowledged in full
 
     # --- AvailableNow ------------------------------------------------------------------------------
     def start_available_now(self, high_watermarks: dict[Partition, int]) -> None:
@@ -149,9 +153,14 @@ class BatchPolicy:
         o = b.outcome
         if self.available_now_target is not None:
             self.redeliveries_due += o.released + o.failed + o.expired
+        held = b.held_ms()
+        if o.expired and held is not None and self.recent_holds and held <= max(self.recent_holds):
+            # A recent batch held its records longer and kept them: the lock is longer than this.
+            # These were taken back for another reason (their share session ended: a member or the
+            # broker went away), so neither the lock nor the batch size is lowered.
+            return
         if o.expired:
             # The batch outlived the record lock: halve what one consumer may take per batch.
-            held = b.held_ms()
             if held is not None and held < self.lock_ms:
                 self.lock_ms = held  # the lock is shorter than this
             biggest = max((a.get("rows", 0) for a in b.acquired.values()), default=1)
@@ -159,8 +168,10 @@ class BatchPolicy:
             if self.lock_safe_records is None or cap < self.lock_safe_records:
                 self.lock_safe_records = cap
             self.batches_within_lock = 0
-        elif self.lock_safe_records is not None and b.rows:
-            held = b.held_ms()
+            return
+        if held is not None and b.rows and not o.failed:
+            self.recent_holds.append(held)
+        if self.lock_safe_records is not None and b.rows:
             if held is None or held >= GROW_BELOW_FRACTION * self.lock_ms:
                 self.batches_within_lock = 0
                 return

@@ -74,6 +74,12 @@ KEEP_FINISHED = 20  # acknowledged batches kept for status(); older ones are dro
 SHUTDOWN_WAIT_S = 10.0  # a stop waits this long at most for acknowledgements under way, then for agents
 
 
+def _one_host() -> bool:
+    """Local mode (or a master ``register()`` did not pass): every read task runs on this host."""
+    master = os.environ.get("SPARK_SHARE_MASTER", "")
+    return not master or master.startswith("local")
+
+
 def _bind_host() -> str:
     """The narrowest interface executors can reach: loopback in local mode, else the address they
     already reach the driver on. ``register()`` passes the master and driver host to this process
@@ -81,8 +87,7 @@ def _bind_host() -> str:
     explicit = os.environ.get("SPARK_SHARE_BIND_HOST")
     if explicit:
         return explicit
-    master = os.environ.get("SPARK_SHARE_MASTER", "")
-    if master and not master.startswith("local"):
+    if not _one_host():
         return (os.environ.get("SPARK_SHARE_DRIVER_HOST") or os.environ.get("SPARK_LOCAL_IP")
                 or socket.gethostbyname(socket.gethostname()))
     return "127.0.0.1"
@@ -177,9 +182,13 @@ class Tracker:
         # No client config here: credentials reach agents with the read task, never over this socket.
         latest = self._latest()
         limit = self.policy.current_limit(latest)
+        # The sessions an agent joins with. One host reads every slot. On a cluster each host's pool
+        # grows with the slots its tasks read in a batch (a session serves one slot per batch), so
+        # the group has about numPartitions members, never executors x numPartitions.
+        slots = self.policy.slots_for(limit) if _one_host() else 1
         return {"max_poll_records": self.policy.poll_size(latest),
                 "topics": list(self.opts.topics), "include_headers": self.opts.include_headers,
-                "slots": self.policy.slots_for(limit),
+                "slots": slots,
                 "dead_letter": self.opts.dead_letter, "dead_letter_topic": self.opts.dead_letter_topic,
                 "dead_letter_path": self.opts.dead_letter_path, "max_delivery_count": self.opts.max_delivery_count}
 
@@ -203,6 +212,7 @@ class Tracker:
                 b.spark_batch = int(m.spark_batch)
             if m.connect_session:
                 b.connect_sessions.add(m.connect_session)
+            b.readers.setdefault(slot, agent_id)
             owner = b.claims.get(slot)
             if owner is not None and owner not in self.agents:
                 if slot in b.acquired:
@@ -389,14 +399,15 @@ class Tracker:
             return b
 
     def _prefetch(self, b: BatchState) -> None:
-        """Ask each agent to start the polls of ``b`` now, as many as it read slots of the last
-        batch that was read (its read tasks will likely land there again)."""
+        """Ask each agent to start the polls of ``b`` now, as many as the read tasks of the last
+        batch read on its host (they will likely land there again). Where the tasks ran, not who
+        acquired: a host that polled ahead for slots whose tasks ran elsewhere must not do so again."""
         with self._lock:
-            read = [x for n, x in sorted(self.batches.items()) if n < b.batch and x.claims]
+            read = [x for n, x in sorted(self.batches.items()) if n < b.batch and x.readers]
             if not read:
                 return
             per_agent: dict[str, int] = {}
-            for agent_id in read[-1].claims.values():
+            for agent_id in read[-1].readers.values():
                 per_agent[agent_id] = per_agent.get(agent_id, 0) + 1
             conns = {a: self.agents.get(a) for a in per_agent}
         budget = self.slot_budgets(b)[0]
@@ -472,12 +483,17 @@ class Tracker:
             out["batches"] = [b.summary() for _, b in sorted(self.batches.items())[-20:]]
             out["sessions"] = sorted({a.get("session") for b in self.batches.values() for a in b.acquired.values()
                                       if a.get("session")})
+            read = [b for _, b in sorted(self.batches.items()) if b.claims]
+            claims = list(read[-1].claims.values()) if read else []
             hosts: dict[str, dict] = {}
-            for conn in self.agents.values():
-                h = hosts.setdefault(conn.info.get("host") or "?", {"agents": 0, "members": 0})
+            for agent_id, conn in self.agents.items():
+                h = hosts.setdefault(conn.info.get("host") or "?", {"agents": 0, "members": 0, "slots": 0})
                 h["agents"] += 1
                 h["members"] += conn.info.get("members", 0)
-            out["hosts"] = hosts  # group members per host, as of each agent's last acquisition
+                h["slots"] += claims.count(agent_id)
+            # Per host: group members (as of each agent's last acquisition), and the slots of the
+            # last batch read that its agents hold.
+            out["hosts"] = hosts
         return out
 
     # shutdown -----------------------------------------------------------------------------

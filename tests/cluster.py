@@ -34,7 +34,8 @@ import sys
 import tempfile
 import time
 
-HOST_SHELL = 'hostname "$0"; mount -t tmpfs -o mode=1777 tmpfs /tmp; exec "$@"'
+# $0: the host's name, $1: the cluster's hosts file (names resolve on every host, as with DNS)
+HOST_SHELL = 'hostname "$0" && mount --bind "$1" /etc/hosts && mount -t tmpfs -o mode=1777 tmpfs /tmp && shift && exec "$@"'
 MASTER_PORT = 7077
 
 
@@ -85,6 +86,9 @@ class NamespaceCluster:
         os.chmod(self.shared, 0o755)
         self.logs = os.path.join(self.shared, "logs")
         os.makedirs(self.logs)
+        self.hosts_file = os.path.join(self.shared, "hosts")
+        with open(self.hosts_file, "w") as f:
+            f.write("127.0.0.1 localhost\n" + "".join(f"{ip} {h}\n" for h, ip in self.hosts.items()))
         self._procs: list[subprocess.Popen] = []
         self._forwarded: set[int] = set()
         self._made_bridge = False
@@ -144,7 +148,8 @@ class NamespaceCluster:
         full_env = dict(os.environ, **(env or {}))
         with open(log_path, "ab") as log:
             p = subprocess.Popen(["ip", "netns", "exec", self.ns(host), "unshare", "--uts", "--mount",
-                                  "--propagation", "private", "sh", "-c", HOST_SHELL, host, *argv],
+                                  "--propagation", "private", "sh", "-c", HOST_SHELL, host, self.hosts_file,
+                                  *argv],
                                  env=full_env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd or self.shared,
                                  start_new_session=True)
         p.log_path = log_path  # type: ignore[attr-defined]
@@ -175,6 +180,13 @@ class NamespaceCluster:
             self.workers[host] = w
         for host, w in self.workers.items():
             _wait_port(self.ns(host), self.hosts[host], 7078, 120, w, f"the Spark worker on {host}", w.log_path)
+        deadline = time.monotonic() + 120
+        for host, ip in self.hosts.items():  # the master has them all before an app asks for executors
+            while host != "driver" and f"Registering worker {ip}:7078" not in _tail(master.log_path, 1 << 20):
+                if time.monotonic() > deadline or master.poll() is not None:
+                    raise RuntimeError(f"the worker on {host} did not register with the master: "
+                                       f"{_tail(self.workers[host].log_path)}")
+                time.sleep(0.5)
 
     def forward(self, bootstrap_servers: str) -> None:
         """Make each broker of ``bootstrap_servers`` (127.0.0.1:port in this process's namespace)

@@ -157,3 +157,21 @@ def test_after_lock_expiry_batches_that_fit_well_within_the_lock_grow_back():
     for _ in range(3 * GROW_AFTER_BATCHES):
         p.acknowledged(empty)
     assert p.lock_safe_records == 800, "empty batches say nothing about the lock"
+
+
+def test_records_taken_back_sooner_than_a_batch_that_kept_them_are_not_a_lock_expiry():
+    """A host lost, or the embedded broker ending every share session when a member disconnects:
+    INVALID_RECORD_STATE after 1 s, when a batch held 5 s lately and kept its records, says nothing
+    of the lock (learning a 1 s lock from it shrank batches to 1 record each, for good)."""
+    p = BatchPolicy(num_slots=2, idle_probe_ms=10_000)
+    kept = batch(0, [(0, 399), (0, 399)])
+    kept.acked_at = 100.0 + 5
+    p.acknowledged(kept)
+    taken = batch(1, [(0, 399), (0, 399)], expired=300)
+    taken.acked_at = 100.0 + 1
+    p.acknowledged(taken)
+    assert p.lock_ms == DEFAULT_LOCK_MS and p.lock_safe_records is None
+    expired = batch(2, [(0, 399), (0, 399)], expired=800)
+    expired.acked_at = 100.0 + 6  # longer than any batch that kept its records: believed
+    p.acknowledged(expired)
+    assert p.lock_ms == 6_000 and p.lock_safe_records == 200
