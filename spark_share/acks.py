@@ -162,7 +162,11 @@ def log_batch(b: BatchState, group_id: str, policy: BatchPolicy) -> None:
             "spark-share batch %d (group %s): acquired %d, accepted %d, released %d, rejected %d, "
             "expired %d, failed %d%s%s", b.batch, group_id, b.rows, o.accepted, o.released,
             o.rejected, o.expired, o.failed, lat, f", errors {o.errors}" if o.errors else "")
-    if o.expired:
+    if o.expired and not policy.expiry_believed:
+        log.warning("spark-share batch %d: %d records were taken back after %s ms, sooner than a recent batch "
+                    "kept its records (their share session ended: a member or the broker went away); they are "
+                    "delivered again", b.batch, o.expired, f"{held:.0f}" if held is not None else "?")
+    elif o.expired:
         log.warning("spark-share batch %d: %d records' locks expired before the batch committed; they are "
                     "delivered again. Raise the group's share.record.lock.duration.ms or lower "
                     "maxRecordsPerTrigger so batches finish within the lock; next batches take at most %d "

@@ -53,7 +53,6 @@ class BatchState:
     max_records: int | None
     planned_at: float = field(default_factory=time.time)
     claims: dict[int, str] = field(default_factory=dict)         # slot -> agent id
-    readers: dict[int, str] = field(default_factory=dict)        # slot -> agent of the task that read it first
     acquired: dict[int, dict] = field(default_factory=dict)      # slot -> {agent, session, rows, offsets, acquired_at}
     verdicts: dict[tuple[str, int, int], tuple[int, str | None]] = field(default_factory=dict)
     spark_batch: int | None = None                            # Spark's batch id, learnt from the read tasks

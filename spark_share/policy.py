@@ -55,6 +55,7 @@ class BatchPolicy:
         self.batches_within_lock = 0  # in a row, since the last change of lock_safe_records
         self.lock_ms = float(DEFAULT_LOCK_MS)  # the record lock duration, as far as the source knows
         self.recent_holds: deque[float] = deque(maxlen=RECENT_HOLDS)  # of batches acknowledged in full
+        self.expiry_believed = True  # the last batch's INVALID_RECORD_STATE answers were lock expiries
 
     # --- AvailableNow ------------------------------------------------------------------------------
     def start_available_now(self, high_watermarks: dict[Partition, int]) -> None:
@@ -154,7 +155,9 @@ class BatchPolicy:
         if self.available_now_target is not None:
             self.redeliveries_due += o.released + o.failed + o.expired
         held = b.held_ms()
-        if o.expired and held is not None and self.recent_holds and held <= max(self.recent_holds):
+        self.expiry_believed = not (o.expired and held is not None and self.recent_holds
+                                    and held <= max(self.recent_holds))
+        if not self.expiry_believed:
             # A recent batch held its records longer and kept them: the lock is longer than this.
             # These were taken back for another reason (their share session ended: a member or the
             # broker went away), so neither the lock nor the batch size is lowered.

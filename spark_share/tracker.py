@@ -212,7 +212,6 @@ class Tracker:
                 b.spark_batch = int(m.spark_batch)
             if m.connect_session:
                 b.connect_sessions.add(m.connect_session)
-            b.readers.setdefault(slot, agent_id)
             owner = b.claims.get(slot)
             if owner is not None and owner not in self.agents:
                 if slot in b.acquired:
@@ -399,15 +398,14 @@ class Tracker:
             return b
 
     def _prefetch(self, b: BatchState) -> None:
-        """Ask each agent to start the polls of ``b`` now, as many as the read tasks of the last
-        batch read on its host (they will likely land there again). Where the tasks ran, not who
-        acquired: a host that polled ahead for slots whose tasks ran elsewhere must not do so again."""
+        """Ask each agent to start the polls of ``b`` now, as many as it read slots of the last
+        batch that was read (its read tasks will likely land there again)."""
         with self._lock:
-            read = [x for n, x in sorted(self.batches.items()) if n < b.batch and x.readers]
+            read = [x for n, x in sorted(self.batches.items()) if n < b.batch and x.claims]
             if not read:
                 return
             per_agent: dict[str, int] = {}
-            for agent_id in read[-1].readers.values():
+            for agent_id in read[-1].claims.values():
                 per_agent[agent_id] = per_agent.get(agent_id, 0) + 1
             conns = {a: self.agents.get(a) for a in per_agent}
         budget = self.slot_budgets(b)[0]

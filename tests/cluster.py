@@ -1,7 +1,7 @@
 """A Spark standalone cluster whose driver and workers are separate "hosts" on this machine.
 
 A host is a network namespace (its own address on a bridge, its own ports and loopback) entered
-together with a UTS namespace (its own hostname) and a mount namespace (its own tmpfs ``/tmp``, so
+together with a UTS namespace (its own hostname) and a mount namespace (its own ``/tmp``, so
 spark-share's runtime directory, agents and logs are per host, as on real machines). The embedded
 broker stays in the test's process; socat makes each of its ports reachable at the same
 ``127.0.0.1:port`` on every host (the address the broker advertises). A directory outside ``/tmp``
@@ -34,8 +34,9 @@ import sys
 import tempfile
 import time
 
-# $0: the host's name, $1: the cluster's hosts file (names resolve on every host, as with DNS)
-HOST_SHELL = 'hostname "$0" && mount --bind "$1" /etc/hosts && mount -t tmpfs -o mode=1777 tmpfs /tmp && shift && exec "$@"'
+# $0: the host's name, $1: the cluster's hosts file (names resolve on every host, as with DNS),
+# $2: the host's own /tmp (kept in the shared directory, so its logs can be read after a failure)
+HOST_SHELL = 'hostname "$0" && mount --bind "$1" /etc/hosts && mount --bind "$2" /tmp && shift 2 && exec "$@"'
 MASTER_PORT = 7077
 
 
@@ -98,6 +99,14 @@ class NamespaceCluster:
     def ns(self, host: str) -> str:
         return f"ss{self.tag}-{host}"
 
+    def host_tmp(self, host: str) -> str:
+        """``host``'s /tmp, as seen from this process (spark-share's runtime dir and logs are under it)."""
+        path = os.path.join(self.shared, "tmp", host)
+        if not os.path.isdir(path):
+            os.makedirs(path)
+            os.chmod(path, 0o1777)
+        return path
+
     @property
     def master_url(self) -> str:
         return f"spark://{self.hosts['driver']}:{MASTER_PORT}"
@@ -149,7 +158,7 @@ class NamespaceCluster:
         with open(log_path, "ab") as log:
             p = subprocess.Popen(["ip", "netns", "exec", self.ns(host), "unshare", "--uts", "--mount",
                                   "--propagation", "private", "sh", "-c", HOST_SHELL, host, self.hosts_file,
-                                  *argv],
+                                  self.host_tmp(host), *argv],
                                  env=full_env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd or self.shared,
                                  start_new_session=True)
         p.log_path = log_path  # type: ignore[attr-defined]

@@ -1,4 +1,7 @@
 """The batch policy alone: when a batch runs, how big it may be, when AvailableNow ends (no Spark, no Kafka)."""
+import logging
+
+from spark_share.acks import log_batch
 from spark_share.batches import AckOutcome, BatchState
 from spark_share.policy import AVAILABLE_NOW_EMPTY_RETRIES, DEFAULT_LOCK_MS, GROW_AFTER_BATCHES, BatchPolicy
 
@@ -159,7 +162,7 @@ def test_after_lock_expiry_batches_that_fit_well_within_the_lock_grow_back():
     assert p.lock_safe_records == 800, "empty batches say nothing about the lock"
 
 
-def test_records_taken_back_sooner_than_a_batch_that_kept_them_are_not_a_lock_expiry():
+def test_records_taken_back_sooner_than_a_batch_that_kept_them_are_not_a_lock_expiry(caplog):
     """A host lost, or the embedded broker ending every share session when a member disconnects:
     INVALID_RECORD_STATE after 1 s, when a batch held 5 s lately and kept its records, says nothing
     of the lock (learning a 1 s lock from it shrank batches to 1 record each, for good)."""
@@ -171,7 +174,13 @@ def test_records_taken_back_sooner_than_a_batch_that_kept_them_are_not_a_lock_ex
     taken.acked_at = 100.0 + 1
     p.acknowledged(taken)
     assert p.lock_ms == DEFAULT_LOCK_MS and p.lock_safe_records is None
+    with caplog.at_level(logging.WARNING, logger="spark_share.tracker"):
+        log_batch(taken, "g", p)
+    assert "300 records were taken back after 1000 ms" in caplog.text and "locks expired" not in caplog.text
     expired = batch(2, [(0, 399), (0, 399)], expired=800)
     expired.acked_at = 100.0 + 6  # longer than any batch that kept its records: believed
     p.acknowledged(expired)
     assert p.lock_ms == 6_000 and p.lock_safe_records == 200
+    with caplog.at_level(logging.WARNING, logger="spark_share.tracker"):
+        log_batch(expired, "g", p)
+    assert "800 records' locks expired" in caplog.text and "at most 200 records per consumer" in caplog.text
