@@ -34,9 +34,17 @@ import sys
 import tempfile
 import time
 
-# $0: the host's name, $1: the cluster's hosts file (names resolve on every host, as with DNS),
-# $2: the host's own /tmp (kept in the shared directory, so its logs can be read after a failure)
-HOST_SHELL = 'hostname "$0" && mount --bind "$1" /etc/hosts && mount --bind "$2" /tmp && shift 2 && exec "$@"'
+# $1 the host's name, $2 the cluster's hosts file (names resolve on every host, as with DNS), $3 the
+# host's own /tmp (kept in the shared directory, so its logs can be read after a failure), $4 where the
+# machine's /tmp stays visible; then paths under /tmp the host must still see (the repository, the
+# virtualenv: a clone under /tmp), "--", and the command.
+HOST_SHELL = """
+host="$1"; hosts="$2"; own_tmp="$3"; stage="$4"; shift 4
+hostname "$host" && mount --bind "$hosts" /etc/hosts && mount --bind /tmp "$stage" && mount --bind "$own_tmp" /tmp || exit 1
+while [ "$1" != "--" ]; do mkdir -p "/tmp/$1" && mount --bind "$stage/$1" "/tmp/$1" || exit 1; shift; done
+shift
+exec "$@"
+"""
 MASTER_PORT = 7077
 
 
@@ -107,6 +115,20 @@ class NamespaceCluster:
             os.chmod(path, 0o1777)
         return path
 
+    def _stage(self, host: str) -> str:
+        path = os.path.join(self.shared, "stage", host)
+        os.makedirs(path, exist_ok=True)
+        return path
+
+    def _kept_under_tmp(self) -> list[str]:
+        """Paths under /tmp that every host must see, relative to /tmp: this repository and the
+        virtualenv (with pyspark), when they are there (a CI clone)."""
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        found = sorted({os.path.realpath(p) for p in (repo, sys.prefix, self.spark_home)})
+        under = [p for p in found if p.startswith("/tmp/")]
+        outer = [p for p in under if not any(p != q and p.startswith(q + "/") for q in under)]
+        return [p[len("/tmp/"):] for p in outer]
+
     @property
     def master_url(self) -> str:
         return f"spark://{self.hosts['driver']}:{MASTER_PORT}"
@@ -157,8 +179,8 @@ class NamespaceCluster:
         full_env = dict(os.environ, **(env or {}))
         with open(log_path, "ab") as log:
             p = subprocess.Popen(["ip", "netns", "exec", self.ns(host), "unshare", "--uts", "--mount",
-                                  "--propagation", "private", "sh", "-c", HOST_SHELL, host, self.hosts_file,
-                                  self.host_tmp(host), *argv],
+                                  "--propagation", "private", "sh", "-c", HOST_SHELL, "sh", host, self.hosts_file,
+                                  self.host_tmp(host), self._stage(host), *self._kept_under_tmp(), "--", *argv],
                                  env=full_env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd or self.shared,
                                  start_new_session=True)
         p.log_path = log_path  # type: ignore[attr-defined]
