@@ -11,6 +11,7 @@ import glob
 import itertools
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -53,6 +54,13 @@ class Workload:
 
 def ids_of(rows: Iterable) -> list[int]:
     return [json.loads(bytes(r["value"]))["id"] for r in rows]
+
+
+def summary_count(text: str, label: str) -> int:
+    """A count from the job's printed summary (``  written     1,234``)."""
+    m = re.search(rf"^  {label} +([\d,]+)", text, re.M)
+    assert m, f"no '{label}' in the summary:\n{text}"
+    return int(m.group(1).replace(",", ""))
 
 
 @dataclass

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from cluster import NamespaceCluster
-from support import Workload, check_no_loss, drain_share_group, gid
+from support import Workload, check_no_loss, drain_share_group, gid, ids_of
 
 pytestmark = pytest.mark.slow
 
@@ -72,10 +72,6 @@ def _written(shared: str) -> list[dict]:
     return rows
 
 
-def _ids(rows) -> list[int]:
-    return [json.loads(bytes(r["value"]))["id"] for r in rows]
-
-
 def test_drain_on_three_hosts(cluster, kafka, tmp_path):
     """AvailableNow drains and ends; nothing lost or doubled; the two actions of every batch (no
     persist) saw the same rows wherever they ran; at most one share consumer per task slot that reads."""
@@ -94,7 +90,7 @@ def test_drain_on_three_hosts(cluster, kafka, tmp_path):
     print("members per host at the end:", hosts[-1], "; most members at once:", members)
     # The embedded broker ends every member's share session when one joins (real Kafka does not),
     # so the pools growing on each host during the first batches may deliver records again.
-    report = check_no_loss(ids, _ids(rows), duplicates_reason="members joining while others held records "
+    report = check_no_loss(ids, ids_of(rows), duplicates_reason="members joining while others held records "
                            "(embedded broker)")
     written: dict[int, int] = {}
     for r in rows:

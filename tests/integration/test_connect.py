@@ -22,7 +22,7 @@ import pytest
 
 import spark_share
 from spark_share.errors import VerdictError
-from support import Workload, check_no_loss, drain_share_group, gid, wait_until
+from support import Workload, check_no_loss, drain_share_group, gid, ids_of, summary_count, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -98,12 +98,7 @@ def _read(remote, kafka, group, topic, **options):
 
 
 def _parquet_ids(path) -> list[int]:
-    files = glob.glob(os.path.join(str(path), "**", "*.parquet"), recursive=True)
-    out = []
-    for f in files:
-        for v in pq.read_table(f, columns=["value"]).column("value").to_pylist():
-            out.append(json.loads(bytes(v))["id"])
-    return out
+    return ids_of(_parquet_rows(path, ["value"]))
 
 
 def _parquet_rows(path, columns) -> list[dict]:
@@ -221,8 +216,7 @@ def test_default_trigger_into_a_file_sink_and_status_needs_progress(remote, kafk
         for log in glob.glob(os.path.join(out, "_spark_metadata", "[0-9]*")):
             files += [json.loads(line)["path"].removeprefix("file://") for line in open(log).read().splitlines()[1:]
                       if line.strip()]
-        return [json.loads(bytes(v))["id"] for f in files for v in pq.read_table(f, columns=["value"])
-                .column("value").to_pylist()]
+        return ids_of(r for f in files for r in pq.read_table(f, columns=["value"]).to_pylist())
 
     try:
         wait_until(lambda: len(committed_ids()) >= 200, timeout=120, message="the file sink did not get every row")
@@ -367,9 +361,7 @@ def test_the_job_runs_against_a_connect_server(connect_url, tmp_path):
     text = out.stdout
 
     def count(label):
-        m = re.search(rf"^  {label} +([\d,]+)", text, re.M)
-        assert m, f"no '{label}' in the summary:\n{text}"
-        return int(m.group(1).replace(",", ""))
+        return summary_count(text, label)
 
     written_rows = _parquet_rows(tmp_path / "orders", ["status", "deliveryCount"])
     pending = [r for r in written_rows if r["status"] == "pending"]

@@ -17,6 +17,7 @@ from spark_share.job import ConfigError, load_config, parse_config
 from spark_share.job.command import _find_config
 from spark_share.job.pipeline import _check_against_schema, _check_release_if
 from spark_share.options import is_secret
+from support import summary_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JOB_FILE = os.path.join(ROOT, "jobs", "queue_to_table.py")
@@ -69,9 +70,7 @@ def test_job_file_without_arguments_runs_the_embedded_demo(tmp_path):
     text = out.stdout
 
     def count(label):
-        m = re.search(rf"^  {label} +([\d,]+)", text, re.M)
-        assert m, f"no '{label}' in the summary:\n{text}"
-        return int(m.group(1).replace(",", ""))
+        return summary_count(text, label)
 
     produced, read, written = count("produced"), count("records read"), count("written")
     rejected, released = count("rejected"), count("released")
