@@ -14,6 +14,11 @@ import threading
 from .errors import SourceError
 from .options import ShareSourceOptions, scrub
 
+# A request that times out makes librdkafka drop the connection (socket.max.fails=1), and on the
+# embedded broker any client's disconnect ends every share session: a broker stalled for a few
+# seconds must not be met with a short timeout here (the refresh runs off Spark's planning path).
+REFRESH_TIMEOUT_S = 15.0
+
 
 class MetadataWatcher:
     """A plain Kafka client kept alive for the whole run (the embedded broker drops every share
@@ -58,9 +63,10 @@ class MetadataWatcher:
         changed = False
         for t, p in self.partitions:
             try:
-                _, high = self.client.get_watermark_offsets(TopicPartition(t, p), timeout=5, cached=False)
+                _, high = self.client.get_watermark_offsets(TopicPartition(t, p), timeout=REFRESH_TIMEOUT_S,
+                                                            cached=False)
             except Exception:
-                continue
+                break  # the broker did not answer in time: the other partitions' requests would wait too
             if self.high.get((t, p)) != high:
                 self.high[(t, p)] = high
                 changed = True
@@ -75,7 +81,7 @@ class MetadataWatcher:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(10)
+        self._thread.join(REFRESH_TIMEOUT_S + 5)  # a refresh under way ends first
         try:
             self.client.close()
         except Exception:

@@ -34,3 +34,42 @@ def test_polls_end_when_a_fetch_comes_back_empty_and_not_while_one_is_on_its_way
     finally:
         empty.close().result(timeout=30)
         full.close().result(timeout=30)
+
+
+def test_a_stalled_broker_does_not_make_the_watermark_client_end_share_sessions(kafka, produce):
+    """The watermark client waits out a broker that answers late instead of timing its request out:
+    librdkafka drops the connection of a timed-out request, and on the embedded broker that ends
+    every share session, so a session's records would come back although it acknowledges in time
+    (a 60-minute chaos run looped on this while its broker was slow)."""
+    from spark_share.options import parse_options
+    from spark_share.watermarks import REFRESH_TIMEOUT_S, MetadataWatcher
+
+    stall_ms, stall_s = 7000, 9.0  # answers come 7 s late, for 9 s
+    assert stall_ms / 1000 < REFRESH_TIMEOUT_S
+    kafka.create_topic("stall", 1)
+    produce(kafka, "stall", 20)
+    conf = {"bootstrap.servers": kafka.bootstrap_servers, "share.acknowledgement.mode": "explicit",
+            "group.id": "stall"}
+    session = ShareSession("t-s", conf, ["stall"], False)
+    watcher = MetadataWatcher(parse_options({"kafka.bootstrap.servers": kafka.bootstrap_servers,
+                                             "kafka.group.id": "stall", "subscribe": "stall"}), wanted=lambda: False)
+    try:
+        rb, _ = session.poll(0, 0, None, 60_000).result(timeout=90)
+        assert rb.num_rows == 20
+        kafka.set_broker_rtt(1, stall_ms)
+        try:
+            t0 = time.monotonic()
+            watcher.refresh()
+            refresh_s = time.monotonic() - t0
+            # The fault lasts stall_s, whatever the refresh did: librdkafka scans for timed-out
+            # requests once a second, so a timeout's disconnect lands within it.
+            time.sleep(max(0.0, t0 + stall_s - time.monotonic()))
+        finally:
+            kafka.set_broker_rtt(1, 0)
+        out = session.acknowledge({}, 30).result(timeout=60)
+        assert (out.accepted, out.failed, out.expired) == (20, 0, 0), out
+        assert refresh_s >= stall_ms / 1000 * 0.9, "the refresh did not meet the stall"
+        assert watcher.high[("stall", 0)] == 20
+    finally:
+        watcher.close()
+        session.close().result(timeout=30)
