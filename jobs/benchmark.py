@@ -1,6 +1,7 @@
 """Benchmarks: kafka-share against a raw share consumer, side by side, on one embedded broker.
 
     .venv/bin/python jobs/benchmark.py [--records 100000] [--repeats 3] [--out bench-out]
+    .venv/bin/python jobs/benchmark.py --bootstrap-servers broker:9092 [--kafka-option K=V ...]   # your cluster
 
 Prints a table and writes results.json and PNG plots to --out. Absolute numbers vary from run to
 run on a shared 2-core machine; the ratios, measured in the same run, are what to compare.
@@ -25,14 +26,17 @@ from resources import process_kind
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from spark_share.embedded import EmbeddedKafka  # noqa: E402  (the repository, put on the path above)
+
 RAW_LOOP = r"""
 import json, sys, threading, time, resource
 from confluent_kafka import ShareConsumer, AcknowledgeType
-bootstrap, group, topic, consumers, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+cfg = json.loads(sys.stdin.readline())  # on stdin: client options may hold credentials
+group, topic, consumers, n = cfg["group"], cfg["topic"], cfg["consumers"], cfg["records"]
 got = [0] * consumers
 start = threading.Barrier(consumers + 1)
 def run(i):
-    c = ShareConsumer({"bootstrap.servers": bootstrap, "group.id": group, "share.acknowledgement.mode": "explicit",
+    c = ShareConsumer({**cfg["client"], "group.id": group, "share.acknowledgement.mode": "explicit",
                        "max.poll.records": "10000"})
     c.subscribe([topic])
     start.wait()
@@ -55,12 +59,83 @@ print(json.dumps({"seconds": dt, "records": sum(got),
 """
 
 
+class Embedded(EmbeddedKafka):
+    """The embedded broker, as the benchmark uses a cluster."""
+    options: dict[str, str] = {}
+
+    def create_topic(self, name: str, partitions: int = 1, replication_factor: int = 1) -> str:  # type: ignore[override]
+        super().create_topic(name, partitions)
+        return name
+
+    def start_group_at_earliest(self, group: str) -> None:
+        pass  # the embedded broker's share groups start at the earliest record (EmbeddedKafka's default)
+
+    def client(self) -> dict[str, str]:
+        return {"bootstrap.servers": self.bootstrap_servers}
+
+
+class ExternalCluster:
+    """A cluster of yours (--bootstrap-servers, --kafka-option): topics get unique names and are
+    deleted afterwards; each share group is set to start at the earliest record (Admin API)."""
+
+    def __init__(self, bootstrap: str, options: dict[str, str]):
+        from confluent_kafka.admin import AdminClient
+
+        self.bootstrap_servers, self.options = bootstrap, options
+        self._admin = AdminClient(self.client())
+        self._topics: list[str] = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self._topics:
+            for f in self._admin.delete_topics(self._topics, operation_timeout=30).values():
+                try:
+                    f.result(60)
+                except Exception as e:
+                    print(f"(could not delete a benchmark topic: {e})")
+
+    def client(self) -> dict[str, str]:
+        return {"bootstrap.servers": self.bootstrap_servers, **self.options}
+
+    def create_topic(self, name: str, partitions: int = 1) -> str:
+        from confluent_kafka.admin import NewTopic
+
+        real = f"spark-share-bench-{name}-{uuid.uuid4().hex[:8]}"
+        self._admin.create_topics([NewTopic(real, partitions, -1)])[real].result(60)  # -1: the broker's replication
+        self._topics.append(real)
+        return real
+
+    def start_group_at_earliest(self, group: str) -> None:
+        from confluent_kafka.admin import AlterConfigOpType, ConfigEntry, ConfigResource, ResourceType
+
+        entry = ConfigEntry("share.auto.offset.reset", "earliest", incremental_operation=AlterConfigOpType.SET)
+        res = ConfigResource(ResourceType.GROUP, group, incremental_configs=[entry])
+        for f in self._admin.incremental_alter_configs([res]).values():
+            f.result(60)
+
+
+def cluster(args):
+    return ExternalCluster(args.bootstrap_servers, args.kafka_options) if args.bootstrap_servers else Embedded()
+
+
+def backlog(kafka, args, n: int, locks: int | None = None) -> str:
+    """A topic of args.partitions partitions holding n records; on the embedded broker, its record
+    locks set to ``locks`` (a cluster of yours keeps its own)."""
+    if isinstance(kafka, EmbeddedKafka):
+        kafka.set_max_record_locks(locks or args.max_record_locks)
+    topic = kafka.create_topic("t", args.partitions)
+    produce(kafka, topic, n, args.partitions)
+    return topic
+
+
 def produce(kafka, topic, n, partitions):
     from confluent_kafka import Producer
 
     from spark_share.job.workload import produce_waiting
 
-    p = Producer({"bootstrap.servers": kafka.bootstrap_servers, "linger.ms": 5, "batch.num.messages": 10000})
+    p = Producer({**kafka.client(), "linger.ms": 5, "batch.num.messages": 10000})
     payload = b"x" * 100
     for i in range(n):
         produce_waiting(p, topic, key=str(i).encode(), value=payload, partition=i % partitions)
@@ -144,18 +219,43 @@ class CpuSampler:
 
 
 def raw_loop(kafka, topic, consumers, n):
-    out = subprocess.run([sys.executable, "-c", RAW_LOOP, kafka.bootstrap_servers, f"raw-{uuid.uuid4().hex[:6]}",
-                          topic, str(consumers), str(n)], capture_output=True, text=True, timeout=600)
+    group = f"raw-{uuid.uuid4().hex[:6]}"
+    kafka.start_group_at_earliest(group)
+    cfg = {"client": kafka.client(), "group": group, "topic": topic, "consumers": consumers, "records": n}
+    out = subprocess.run([sys.executable, "-c", RAW_LOOP], input=json.dumps(cfg) + "\n", capture_output=True,
+                         text=True, timeout=600)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def share_run(spark, kafka, topic, slots, n, tmp):
+def _batch_end(p) -> float:
+    """Wall-clock time a progress event's batch ended."""
+    from datetime import datetime
 
-    df = (spark.readStream.format("kafka-share").option("kafka.bootstrap.servers", kafka.bootstrap_servers)
-          .option("kafka.group.id", f"share-{uuid.uuid4().hex[:6]}").option("subscribe", topic)
-          .option("numPartitions", str(slots)).load())
+    started = datetime.fromisoformat(p["timestamp"].replace("Z", "+00:00")).timestamp()
+    return started + p["durationMs"].get("triggerExecution", 0) / 1000.0
+
+
+def share_stream(spark, kafka, topic, group=None, **options):
+    """readStream.format("kafka-share") on ``kafka`` (its client options as kafka.*), the group set
+    to start at the earliest record."""
+    group = group or f"share-{uuid.uuid4().hex[:6]}"
+    kafka.start_group_at_earliest(group)
+    r = spark.readStream.format("kafka-share").option("kafka.group.id", group).option("subscribe", topic)
+    for k, v in kafka.client().items():
+        r = r.option("kafka." + k, v)
+    for k, v in options.items():
+        r = r.option(k, str(v))
+    return r
+
+
+def share_run(spark, kafka, topic, slots, n, tmp, locks=None):
+    r = share_stream(spark, kafka, topic, numPartitions=slots)
+    if locks and isinstance(kafka, EmbeddedKafka):
+        r = r.option("maxRecordLocks", str(locks))
+    df = r.load()
     with CpuSampler() as cpu:
         t0 = time.perf_counter()
+        wall0 = time.time()
         q = (df.writeStream.format("noop").option("checkpointLocation", os.path.join(tmp, uuid.uuid4().hex))
              .trigger(availableNow=True).start())
         first = None  # (time, cpu) when the first batch (query, agent and consumer start-up) is done
@@ -163,8 +263,12 @@ def share_run(spark, kafka, topic, slots, n, tmp):
             if first is None and q.lastProgress:
                 first = (time.perf_counter(), cpu.seconds, cpu.by_kind)
         end = time.perf_counter()
+        wall_end = time.time()
         wall = end - t0
     prog = [p for p in q.recentProgress if p["numInputRows"]]
+    # Query start -> its first batch with rows written; that batch's end -> the run's end.
+    first_row_s = _batch_end(prog[0]) - wall0 if prog else None
+    end_after_last_s = wall_end - _batch_end(prog[-1]) if prog else None
     rows = sum(p["numInputRows"] for p in prog)
     busy = sum(p["durationMs"]["triggerExecution"] for p in prog) / 1000.0
     after_first = rows - (prog[0]["numInputRows"] if prog else 0)
@@ -172,10 +276,32 @@ def share_run(spark, kafka, topic, slots, n, tmp):
     phases = [dict(batch=p["batchId"], rows=p["numInputRows"], **{k: v for k, v in p["durationMs"].items()
                                                                     if k != "getBatch"}) for p in q.recentProgress]
     return {"seconds": wall, "busy_seconds": busy, "records": rows, "batches": len(prog), "cpu": cpu.seconds,
+            "first_row_s": first_row_s, "end_after_last_s": end_after_last_s,
+            "mean_batch": rows / max(1, len(prog)),
             "phases": phases,
             "cpu_by_process": cpu.by_kind, "steady_records": after_first,
             "steady_seconds": end - first[0], "steady_cpu": cpu.seconds - first[1],
             "steady_cpu_by_process": {k: round(v - first[2].get(k, 0.0), 2) for k, v in cpu.by_kind.items()}}
+
+
+def batch_size_sweep(spark, args, tmp, slots=2):
+    """records/s against batch size: the lock budget (partitions x record locks) sets the size of a
+    backlog's batches; Spark's floor runs batches of the same size next to it."""
+    rows = []
+    for size in (5_000, 10_000, 20_000, 40_000, 80_000):
+        locks = max(1, size // args.partitions)
+        n = max(args.records, 3 * size)
+        with Embedded() as kafka:
+            ours = share_run(spark, kafka, backlog(kafka, args, n, locks), slots, n, tmp, locks=locks)
+        full = [p for p in ours["phases"] if p["rows"]]
+        floor = floor_run(spark, len(full), slots, max(1, n // max(1, len(full)) // slots), tmp)
+        row = {"budget": locks * args.partitions, "mean_batch": ours["mean_batch"],
+               "share_steady_rps": ours["steady_records"] / max(ours["steady_seconds"], 1e-9),
+               "floor_steady_rps": floor["steady_rps"], "first_row_s": ours["first_row_s"]}
+        print("batchsize", json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}),
+              flush=True)
+        rows.append(row)
+    return rows
 
 
 def floor_run(spark, batches, tasks, rows, tmp):
@@ -237,7 +363,7 @@ def latency_bench(spark, kafka, seconds=20, rate=200):
 
     import spark_share
 
-    kafka.create_topic("lat", 2)
+    topic = kafka.create_topic("lat", 2)
     lat = []
     ck = tempfile.mkdtemp(prefix="bench-lat-")
 
@@ -246,16 +372,15 @@ def latency_bench(spark, kafka, seconds=20, rate=200):
         for r in df.select("value").collect():
             lat.append(now - float(r[0]))
 
-    df = (spark.readStream.format("kafka-share").option("kafka.bootstrap.servers", kafka.bootstrap_servers)
-          .option("kafka.group.id", "lat").option("subscribe", "lat").option("pollTimeoutMs", "200").load())
+    df = share_stream(spark, kafka, topic, pollTimeoutMs=200).load()
     q = df.writeStream.foreachBatch(sink).option("checkpointLocation", ck).start()
-    p = Producer({"bootstrap.servers": kafka.bootstrap_servers, "linger.ms": 0})
+    p = Producer({**kafka.client(), "linger.ms": 0})
     time.sleep(8)  # let the first batches (consumer join) pass before measuring
     lat.clear()
     t0 = time.time()
     i = 0
     while time.time() - t0 < seconds:
-        p.produce("lat", value=repr(time.time()).encode(), partition=i % 2)
+        p.produce(topic, value=repr(time.time()).encode(), partition=i % 2)
         p.poll(0)
         i += 1
         time.sleep(1.0 / rate)
@@ -272,9 +397,7 @@ def latency_bench(spark, kafka, seconds=20, rate=200):
 
 
 def idle_bench(spark, kafka, seconds=60):
-    kafka.create_topic("idle", 2)
-    df = (spark.readStream.format("kafka-share").option("kafka.bootstrap.servers", kafka.bootstrap_servers)
-          .option("kafka.group.id", "idle").option("subscribe", "idle").load())
+    df = share_stream(spark, kafka, kafka.create_topic("idle", 2)).load()
     q = df.writeStream.format("noop").option("checkpointLocation", tempfile.mkdtemp(prefix="bench-idle-")).start()
     time.sleep(10)  # past the first (probe) batch
     runner = [p for p in psutil.process_iter(["cmdline"])
@@ -303,9 +426,18 @@ def main(argv=None):
     ap.add_argument("--out", default="bench-out")
     ap.add_argument("--max-record-locks", type=int, default=2000,
                     help="the broker's per-partition in-flight limit (Kafka's group.share.partition.max.record.locks)")
+    ap.add_argument("--bootstrap-servers", help="a Kafka >= 4.2 cluster of yours instead of the embedded broker "
+                    "(topics are created with unique names and deleted; needs create/delete topic and alter group "
+                    "config permissions)")
+    ap.add_argument("--kafka-option", action="append", default=[], metavar="K=V",
+                    help="a client config for that cluster (security.protocol=SASL_SSL, ...); repeatable")
     ap.add_argument("--skip", default="",
-                    help="comma-separated sections to skip: throughput,ceiling,scaling,latency,idle,decode")
+                    help="comma-separated sections to skip: throughput,ceiling,scaling,batchsize,latency,idle,decode")
     args = ap.parse_args(argv)
+    bad = [o for o in args.kafka_option if "=" not in o]
+    if bad:
+        ap.error(f"--kafka-option takes K=V, not {bad[0]!r}")
+    args.kafka_options = dict(o.split("=", 1) for o in args.kafka_option)
     skip = set(filter(None, args.skip.split(",")))
     os.makedirs(args.out, exist_ok=True)
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -315,10 +447,11 @@ def main(argv=None):
     from pyspark.sql import SparkSession
 
     import spark_share
-    from spark_share.embedded import EmbeddedKafka
 
     results = {"machine": {"cores": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30)},
-               "records": args.records, "partitions": args.partitions, "max_record_locks": args.max_record_locks}
+               "records": args.records, "partitions": args.partitions,
+               "max_record_locks": None if args.bootstrap_servers else args.max_record_locks,
+               "cluster": "yours" if args.bootstrap_servers else "embedded"}
     if "decode" not in skip:
         results["decode"] = decode_bench()
         print("decode:", json.dumps(results["decode"]))
@@ -333,17 +466,12 @@ def main(argv=None):
     try:
         # Warm-up, not measured: Spark's first query pays JIT compilation and the start of its Python
         # planning workers (each imports pyspark); a scheduled job pays that too, a stream once.
-        with EmbeddedKafka() as kafka:
-            kafka.create_topic("t", args.partitions)
-            produce(kafka, "t", 20_000, args.partitions)
-            share_run(spark, kafka, "t", 2, 20_000, tmp)
+        with cluster(args) as kafka:
+            share_run(spark, kafka, backlog(kafka, args, 20_000), 2, 20_000, tmp)
         if "ceiling" not in skip:
             # The broker's own ceiling: a raw loop with one consumer per partition.
-            with EmbeddedKafka() as kafka:
-                kafka.set_max_record_locks(args.max_record_locks)
-                kafka.create_topic("t", args.partitions)
-                produce(kafka, "t", args.records, args.partitions)
-                raw = raw_loop(kafka, "t", args.partitions, args.records)
+            with cluster(args) as kafka:
+                raw = raw_loop(kafka, backlog(kafka, args, args.records), args.partitions, args.records)
             results["ceiling"] = {"consumers": args.partitions, "records_per_s": raw["records"] / raw["seconds"]}
             print("ceiling:", json.dumps(results["ceiling"]), flush=True)
         for section, slot_list in (("throughput", [2]), ("scaling", [1, 2, 4])):
@@ -352,17 +480,13 @@ def main(argv=None):
             rows = []
             for slots in slot_list:
                 for rep in range(args.repeats if section == "throughput" else 1):
-                    with EmbeddedKafka() as kafka:
-                        kafka.set_max_record_locks(args.max_record_locks)
-                        kafka.create_topic("t", args.partitions)
-                        produce(kafka, "t", args.records, args.partitions)
+                    with cluster(args) as kafka:
+                        topic = backlog(kafka, args, args.records)
                         with CpuSampler() as broker:
-                            raw = raw_loop(kafka, "t", slots, args.records)
-                    with EmbeddedKafka() as kafka:
-                        kafka.set_max_record_locks(args.max_record_locks)
-                        kafka.create_topic("t", args.partitions)
-                        produce(kafka, "t", args.records, args.partitions)
-                        ours = share_run(spark, kafka, "t", slots, args.records, tmp)
+                            raw = raw_loop(kafka, topic, slots, args.records)
+                    with cluster(args) as kafka:
+                        ours = share_run(spark, kafka, backlog(kafka, args, args.records), slots, args.records, tmp,
+                                         locks=args.max_record_locks)
                     # Spark's floor with the same shape: as many batches and tasks, as many rows per task.
                     full = [p for p in ours["phases"] if p["rows"]]
                     floor = floor_run(spark, len(full), slots, max(1, args.records // max(1, len(full)) // slots), tmp)
@@ -376,7 +500,8 @@ def main(argv=None):
                            "share_cpu_per_m": ours["cpu"] / max(ours["records"], 1) * 1e6,
                            "share_steady_rps": ours["steady_records"] / max(ours["steady_seconds"], 1e-9),
                            "share_steady_cpu_per_m": ours["steady_cpu"] / max(ours["steady_records"], 1) * 1e6,
-                           "batches": ours["batches"], "records": ours["records"],
+                           "batches": ours["batches"], "records": ours["records"], "mean_batch": ours["mean_batch"],
+                           "first_row_s": ours["first_row_s"], "end_after_last_s": ours["end_after_last_s"],
                            "raw_broker_cpu_per_m": broker.by_kind.get(BROKER, 0) / raw["records"] * 1e6,
                            "share_broker_cpu_per_m": ours["cpu_by_process"].get(BROKER, 0) / max(ours["records"], 1) * 1e6,
                            "cpu_by_process": {k: round(v, 2) for k, v in ours["cpu_by_process"].items()},
@@ -386,12 +511,17 @@ def main(argv=None):
                           flush=True)
                     rows.append(row)
             results[section] = rows
+        if "batchsize" not in skip:
+            if args.bootstrap_servers:
+                print("batchsize: skipped on a cluster of yours (it sets the broker's record locks)")
+            else:
+                results["batchsize"] = batch_size_sweep(spark, args, tmp)
         if "latency" not in skip:
-            with EmbeddedKafka() as kafka:
+            with cluster(args) as kafka:
                 results["latency"] = latency_bench(spark, kafka)
             print("latency:", json.dumps(results["latency"]))
         if "idle" not in skip:
-            with EmbeddedKafka() as kafka:
+            with cluster(args) as kafka:
                 results["idle"] = idle_bench(spark, kafka)
             print("idle:", json.dumps(results["idle"]))
     finally:
@@ -423,8 +553,20 @@ def report(results, out):
         fc = statistics.median(r["floor_steady_cpu_per_m"] for r in t)
         print(f"| (context) Spark's floor: a Python source yielding prebuilt batches, same shape, CPU s per million "
               f"records after the first batch | {fc:,.1f} | | | |")
+        print(f"| CPU s per million records above Spark's floor, after the first batch | {ss - fc:,.1f} | {rc:,.1f} "
+              f"| {(ss - fc) / rc:.2f} | <= 1.0 |")
         fr = statistics.median(r["floor_steady_rps"] for r in t)
         print(f"| (context) Spark's floor, records/s after the first batch | {fr:,.0f} | | | |")
+        fr_s = statistics.median(r["first_row_s"] for r in t)
+        print(f"| query start -> first batch with rows written, s | {fr_s:.1f} | | | <= 3 |")
+        ea = statistics.median(r["end_after_last_s"] for r in t)
+        print(f"| AvailableNow: last batch with rows -> query end, s | {ea:.1f} | | | <= 2 |")
+        mb = statistics.median(r["mean_batch"] for r in t)
+        if results.get("max_record_locks"):
+            budget = results["partitions"] * results["max_record_locks"]
+            print(f"| mean batch, records (lock budget {budget:,}) | {mb:,.0f} | | {mb / budget:.2f} | |")
+        else:
+            print(f"| mean batch, records (lock budget: the broker's) | {mb:,.0f} | | | |")
         sb = statistics.median(r["share_broker_cpu_per_m"] for r in t)
         rb = statistics.median(r["raw_broker_cpu_per_m"] for r in t)
         print(f"| (context) embedded broker process, CPU s per million records | {sb:,.1f} | {rb:,.1f} | {sb / rb:.2f} | |")
@@ -451,6 +593,10 @@ def report(results, out):
     for r in results.get("scaling", []):
         print(f"| scaling numPartitions={r['slots']}: records/s | {r['share_rps']:,.0f} | {r['raw_rps']:,.0f} | "
               f"{r['share_rps'] / r['raw_rps']:.2f} | |")
+    for r in results.get("batchsize", []):
+        print(f"| batch size {r['mean_batch']:,.0f} (budget {r['budget']:,}): records/s after the first batch, "
+              f"vs Spark's floor at that size | {r['share_steady_rps']:,.0f} | {r['floor_steady_rps']:,.0f} (floor) | "
+              f"{r['share_steady_rps'] / r['floor_steady_rps']:.2f} | |")
     for line in after:
         print("\n" + line)
     try:
@@ -460,19 +606,25 @@ def report(results, out):
     except ImportError:
         print("(matplotlib not installed: no plots; pip install 'spark-share[bench]')")
         return
-    if results.get("scaling"):
-        sc = results["scaling"]
+    def lines(name, rows, x, series, xlabel, title, log=False):
         fig, ax = plt.subplots(figsize=(6, 4))
-        xs = [r["slots"] for r in sc]
-        ax.plot(xs, [r["raw_rps"] for r in sc], "o-", label="raw ShareConsumer loop")
-        ax.plot(xs, [r["share_rps"] for r in sc], "o-", label="kafka-share -> noop (wall)")
-        ax.plot(xs, [r["share_steady_rps"] for r in sc], "o--", label="kafka-share (after the first batch)")
-        ax.set_xlabel("consumers (numPartitions)")
+        xs = [r[x] for r in rows]
+        for key, style, label in series:
+            ax.plot(xs, [r[key] for r in rows], style, label=label)
+        if log:
+            ax.set_xscale("log")
+        ax.set_xlabel(xlabel)
         ax.set_ylabel("records/s")
-        ax.set_title("Throughput on the embedded broker")
+        ax.set_title(title)
         ax.legend()
         fig.tight_layout()
-        fig.savefig(os.path.join(out, "throughput.png"))
+        fig.savefig(os.path.join(out, name))
+
+    if results.get("scaling"):
+        lines("throughput.png", results["scaling"], "slots",
+              [("raw_rps", "o-", "raw ShareConsumer loop"), ("share_rps", "o-", "kafka-share -> noop (wall)"),
+               ("share_steady_rps", "o--", "kafka-share (after the first batch)")],
+              "consumers (numPartitions)", "Throughput on the embedded broker")
     if results.get("throughput"):
         fig, ax = plt.subplots(figsize=(6, 4))
         t = results["throughput"]
@@ -485,6 +637,11 @@ def report(results, out):
         ax.set_title("CPU cost (agents, runner, Python workers; not the JVM)")
         fig.tight_layout()
         fig.savefig(os.path.join(out, "cpu.png"))
+    if results.get("batchsize"):
+        lines("batch-size.png", results["batchsize"], "mean_batch",
+              [("share_steady_rps", "o-", "kafka-share (after the first batch)"),
+               ("floor_steady_rps", "o--", "Spark's floor, same batches")],
+              "records per batch (set by the lock budget)", "Throughput against batch size, embedded broker", log=True)
 
 
 if __name__ == "__main__":

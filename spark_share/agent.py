@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from . import records, runtime, wire
 from .batches import ACCEPT
+from .options import sized
 from .pool import SessionPool, poll_budget
 from .protocol import (
     TASK_TO_AGENT,
@@ -96,10 +97,7 @@ class Agent:
                                     scrub=self._scrub)
         hello, _ = call(self.tracker, Hello(self.agent_id, socket.gethostname(), os.getpid()), timeout=30)
         self.config = hello
-        self._consumer_config = dict(consumer_config)
-        if hello.get("max_poll_records"):
-            self._consumer_config["max.poll.records"] = str(min(int(self._consumer_config["max.poll.records"]),
-                                                               int(hello["max_poll_records"])))
+        self._consumer_config = sized(consumer_config, hello.get("max_poll_records"))
         self._producer_config = producer_config
         # Dead letters carry the original headers even when the query does not read them.
         self._keep_headers = bool(hello["include_headers"] or hello.get("dead_letter"))

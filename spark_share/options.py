@@ -31,6 +31,8 @@ SOURCE_OPTIONS: dict[str, tuple[str | None, str]] = {
     "deadLetterTopic": (None, "Kafka topic (same cluster) where rejected records are written before their REJECT"),
     "deadLetterPath": (None, "Parquet table path where rejected records are written before their REJECT"),
     "maxDeliveryCount": (None, "records delivered this many times are rejected to the dead-letter target before reaching your code"),
+    "maxRecordLocks": (None, "records each partition may have in flight for the group (the broker's group.share.partition.max.record.locks); polls are sized to fill it; default: read from the broker, else Kafka's default 2000"),
+    "networkEncryption": ("auto", "encrypt what crosses the network between the driver side and executors (records re-read from another host, verdicts): true, false, or auto (on when kafka.security.protocol is SSL or SASL_SSL)"),
     "trackerPort": ("0", "port (N) or port range (N-M) where the driver side listens for executors; 0: any free port"),
 }
 
@@ -143,14 +145,14 @@ class ShareSourceOptions:
     dead_letter_path: str | None = None
     max_delivery_count: int | None = None
     tracker_ports: tuple[int, int] = (0, 0)  # first and last port the tracker may listen on; (0, 0): any
+    max_record_locks: int | None = None  # the broker's in-flight cap per partition, if the user gave it
+    encrypt_network: bool = False  # the tracker's connections encrypt their frames (wire.py)
     # kafka.* options other than bootstrap servers and group id, prefix removed.
     kafka: dict[str, str] = field(default_factory=dict)
 
-    def consumer_config(self, max_poll_records: int | None = None) -> dict[str, str]:
-        conf = {"max.poll.records": str(DEFAULT_MAX_POLL_RECORDS)}
-        conf.update(self.kafka)
-        if max_poll_records is not None:
-            conf["max.poll.records"] = str(min(int(conf["max.poll.records"]), max_poll_records))
+    def consumer_config(self) -> dict[str, str]:
+        """The share consumer's config; ``max.poll.records`` only if the user gave it (see ``sized``)."""
+        conf = dict(self.kafka)
         conf.update({"bootstrap.servers": self.bootstrap_servers, "group.id": self.group_id,
                      "share.acknowledgement.mode": "explicit"})
         return conf
@@ -183,6 +185,15 @@ class ShareSourceOptions:
                 f"topics={list(self.topics)}, kafka={redact(self.kafka)})")
 
     __str__ = __repr__
+
+
+def sized(consumer_config: Mapping[str, str], chosen: int | None) -> dict[str, str]:
+    """``consumer_config`` with the poll size the tracker ``chosen`` (it fills the lock budget), capped
+    by a ``kafka.max.poll.records`` the user gave."""
+    conf = dict(consumer_config)
+    sizes = [int(n) for n in (conf.get("max.poll.records"), chosen) if n is not None]
+    conf["max.poll.records"] = str(min(sizes) if sizes else DEFAULT_MAX_POLL_RECORDS)
+    return conf
 
 
 def parse_options(options: Mapping[str, str]) -> ShareSourceOptions:
@@ -246,7 +257,12 @@ def parse_options(options: Mapping[str, str]) -> ShareSourceOptions:
     mrt = given.get("maxRecordsPerTrigger")
     if "max.poll.records" in kafka:
         _int("kafka.max.poll.records", kafka["max.poll.records"], 1, 1_000_000)
+    encryption = given.get("networkEncryption", "auto").strip().lower()
+    if encryption not in ("auto", "true", "false"):
+        raise OptionError(f"option 'networkEncryption' must be true, false or auto, not {given['networkEncryption']!r}")
+    tls = kafka.get("security.protocol", "").upper() in ("SSL", "SASL_SSL")
     return ShareSourceOptions(
+        encrypt_network=encryption == "true" or (encryption == "auto" and tls),
         bootstrap_servers=bootstrap,
         group_id=group,
         topics=tuple(topics),
@@ -260,5 +276,6 @@ def parse_options(options: Mapping[str, str]) -> ShareSourceOptions:
         dead_letter_path=dlp,
         max_delivery_count=max_delivery,
         tracker_ports=_port_range(given.get("trackerPort", "0")),
+        max_record_locks=_int("maxRecordLocks", given["maxRecordLocks"], 1, 1_000_000) if "maxRecordLocks" in given else None,
         kafka=kafka,
     )

@@ -3,8 +3,9 @@
 Owns: whether a batch after the last one is worth running (default and processingTime triggers: it
 brought records or gave some back, the high watermarks moved, or the idle probe is due; AvailableNow:
 until every record below the start's high watermarks was seen and nothing given back is still due),
-how many read slots a batch gets and how many records each may take (``maxRecordsPerTrigger``,
-halved per consumer whenever a batch outlived the record lock), and what it knows of the lock.
+how many read slots a batch gets and how many records each may take (its share of the lock budget
+and of ``maxRecordsPerTrigger``, halved per consumer whenever a batch outlived the record lock), and
+what it knows of the lock.
 
 Must never: touch a socket, Kafka or Spark, wait, or lock (the tracker calls it under its lock). It
 is a plain object so that it can be tested in milliseconds.
@@ -26,6 +27,9 @@ LOCK_WARN_FRACTION = 0.8
 GROW_AFTER_BATCHES = 10
 GROW_BELOW_FRACTION = 0.5
 RECENT_HOLDS = 20  # batches whose hold times say the lock is at least that long
+# Kafka's default group.share.partition.max.record.locks: records of a partition the group may have
+# in flight. A batch holds its records until Spark commits it, so this caps a batch.
+DEFAULT_RECORD_LOCKS = 2000
 
 Partition = tuple[str, int]
 
@@ -56,6 +60,9 @@ class BatchPolicy:
         self.lock_ms = float(DEFAULT_LOCK_MS)  # the record lock duration, as far as the source knows
         self.recent_holds: deque[float] = deque(maxlen=RECENT_HOLDS)  # of batches acknowledged in full
         self.expiry_believed = True  # the last batch's INVALID_RECORD_STATE answers were lock expiries
+        # The lock budget: records the group may have in flight, partitions x the broker's cap each.
+        self.partitions = 1
+        self.record_locks = DEFAULT_RECORD_LOCKS
 
     # --- AvailableNow ------------------------------------------------------------------------------
     def start_available_now(self, high_watermarks: dict[Partition, int]) -> None:
@@ -128,10 +135,18 @@ class BatchPolicy:
         consumers' polls, so a poll never takes records the batch must give back."""
         return latest.max_records if latest is not None else self.max_records_per_trigger
 
-    def poll_size(self, latest: BatchState | None) -> int | None:
-        """``max.poll.records`` for a new consumer, or None for the consumer config's own."""
+    @property
+    def lock_budget(self) -> int:
+        return self.partitions * self.record_locks
+
+    def poll_size(self, latest: BatchState | None) -> int:
+        """``max.poll.records`` for a new consumer: its share of the lock budget, so that a backlog
+        fills a batch up to what the broker lets the group hold (and no further: more would never
+        come), and of the limit Spark asked for."""
         limit = self.current_limit(latest)
-        return None if limit is None else max(1, limit // self.slots_for(limit))
+        slots = self.slots_for(limit)
+        size = max(1, -(-self.lock_budget // slots))
+        return size if limit is None else min(size, max(1, limit // slots))
 
     def slot_budgets(self, b: BatchState) -> list[int | None]:
         per_slot = None if b.max_records is None else max(1, b.max_records // max(1, b.slots))

@@ -24,7 +24,7 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows, Supp
 from . import runtime
 from .connect import session_of_job_tags
 from .offsets import INITIAL, batch_of, offset_of
-from .options import ShareSourceOptions
+from .options import ShareSourceOptions, scrub
 from .protocol import Read, call
 
 log = logging.getLogger("spark_share.reader")
@@ -65,6 +65,16 @@ def _agent_of(tracker_id: str):
     return _AGENTS.get(tracker_id)
 
 
+def _start_agent_early(t) -> None:
+    from .launcher import ensure_agent
+
+    try:
+        ensure_agent(t.address, t.tracker_id, t.secret, t.opts).close()
+    except Exception as e:  # the first read task starts it then, and reports what fails
+        log.info("starting this host's spark-share agent ahead of the first read failed: %s",
+                 scrub(str(e), t.opts.secret_values()))
+
+
 class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def __init__(self, opts: ShareSourceOptions):
         self.opts = opts
@@ -76,7 +86,7 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if self._tracker is None:
             if self._stopped:
                 raise RuntimeError("the kafka-share source is stopping")
-            from .tracker import Tracker
+            from .tracker import Tracker, one_host
 
             runtime.log_to_stderr()
             if threading.current_thread() is threading.main_thread() and _in_source_runner():
@@ -84,6 +94,11 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 # of its own, and the process exits when it is done.
                 _StopOnSigterm(self)
             self._tracker = Tracker(self.opts)
+            if one_host():
+                # Every read task runs on this host: start its agent now, so that its consumers join
+                # the group while Spark plans the first batch, not after the first read task arrives.
+                threading.Thread(target=_start_agent_early, args=(self._tracker,), name="spark-share-agent-start",
+                                 daemon=True).start()
         return self._tracker
 
     def initialOffset(self) -> dict:

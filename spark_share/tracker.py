@@ -46,7 +46,7 @@ from .commitlog import CommitLog
 from .deadletter import check_target
 from .errors import BatchRefused, SourceError
 from .options import ShareSourceOptions, scrub
-from .policy import BatchPolicy
+from .policy import DEFAULT_RECORD_LOCKS, BatchPolicy
 from .protocol import (
     TO_TRACKER,
     Acquired,
@@ -74,7 +74,7 @@ KEEP_FINISHED = 20  # acknowledged batches kept for status(); older ones are dro
 SHUTDOWN_WAIT_S = 10.0  # a stop waits this long at most for acknowledgements under way, then for agents
 
 
-def _one_host() -> bool:
+def one_host() -> bool:
     """Local mode (or a master ``register()`` did not pass): every read task runs on this host."""
     master = os.environ.get("SPARK_SHARE_MASTER", "")
     return not master or master.startswith("local")
@@ -87,7 +87,7 @@ def _bind_host() -> str:
     explicit = os.environ.get("SPARK_SHARE_BIND_HOST")
     if explicit:
         return explicit
-    if not _one_host():
+    if not one_host():
         return (os.environ.get("SPARK_SHARE_DRIVER_HOST") or os.environ.get("SPARK_LOCAL_IP")
                 or socket.gethostbyname(socket.gethostname()))
     return "127.0.0.1"
@@ -142,9 +142,18 @@ class Tracker:
         self._run_path = runtime.run_registry_path(self.tracker_id)
         runtime.write_private_json(self._run_path, self._entry())
         self.policy.num_slots = opts.num_partitions or max(1, len(self.metadata.partitions))
+        self.policy.partitions = max(1, len(self.metadata.partitions))
+        locks, said = opts.max_record_locks, "option maxRecordLocks"
+        if locks is None:
+            locks, said = self.metadata.record_locks(), "the broker's group.share.partition.max.record.locks"
+        if locks is None:
+            locks, said = DEFAULT_RECORD_LOCKS, "Kafka's default (the broker did not say; set maxRecordLocks)"
+        self.policy.record_locks = locks
         self.acks = Acknowledger(opts, self.policy, self._lock, self.agents, self._acknowledged)
         self.totals = AckOutcome()
         self.total_acquired = 0
+        self.relays = 0  # re-reads served from another host's agent, through this process
+        self.relayed_bytes = 0
         # Spark has committed every batch up to here (it said so through latestOffset, commit or the
         # listener): the one fact that lets a batch be ACCEPTed, recorded before anything acts on it.
         self.committed_upto = -1
@@ -153,6 +162,8 @@ class Tracker:
         log.info("spark-share tracker %s for group %r, topics %s (%d partitions), %d slots, listening on %s:%d",
                  self.tracker_id, opts.group_id, list(opts.topics), len(self.metadata.partitions),
                  self.policy.num_slots, *self.address)
+        log.info("record locks per partition: %d, from %s: a batch holds at most %d records, %d per consumer",
+                 locks, said, self.policy.lock_budget, self.policy.poll_size(None))
 
     def _latest(self) -> BatchState | None:
         with self._lock:
@@ -167,7 +178,7 @@ class Tracker:
             try:
                 return wire.RpcServer((host, port), self.secret, dispatcher(self, self.HANDLERS, TO_TRACKER),
                                       name="tracker", on_close=self._conn_closed,
-                                      scrub=lambda s: scrub(s, self._secrets))
+                                      scrub=lambda s: scrub(s, self._secrets), encrypt=self.opts.encrypt_network)
             except OSError as e:  # taken: try the next one
                 error = e
         raise SourceError(f"option 'trackerPort' = {_port_text(self.opts.tracker_ports)!r}: no port of it is free on "
@@ -185,7 +196,7 @@ class Tracker:
         # The sessions an agent joins with. One host reads every slot. On a cluster each host's pool
         # grows with the slots its tasks read in a batch (a session serves one slot per batch), so
         # the group has about numPartitions members, never executors x numPartitions.
-        slots = self.policy.slots_for(limit) if _one_host() else 1
+        slots = self.policy.slots_for(limit) if one_host() else 1
         return {"max_poll_records": self.policy.poll_size(latest),
                 "topics": list(self.opts.topics), "include_headers": self.opts.include_headers,
                 "slots": slots,
@@ -266,7 +277,12 @@ class Tracker:
             agent = self.agents.get(owner) if owner else None
         if agent is None:
             raise RuntimeError(f"batch {m.batch} slot {m.slot} is held by no live agent")
-        return call(agent, Fetch(m.batch, m.slot), timeout=120)
+        # One slot's records pass through here per re-read, and are let go once sent on.
+        rep, blob = call(agent, Fetch(m.batch, m.slot), timeout=120)
+        with self._lock:
+            self.relays += 1
+            self.relayed_bytes += len(blob)
+        return rep, blob
 
     def _committed(self, conn: wire.RpcConnection, m: Committed) -> dict:
         if m.query_id and self.query_id is None:  # the reads did not carry it (foreachBatch under Connect)
@@ -398,20 +414,16 @@ class Tracker:
             return b
 
     def _prefetch(self, b: BatchState) -> None:
-        """Ask each agent to start the polls of ``b`` now, as many as it read slots of the last
-        batch that was read (its read tasks will likely land there again)."""
+        """On one host, ask its agent to start every poll of ``b`` now, while Spark writes its offsets
+        and schedules the read tasks. On a cluster, nothing: Spark does not say where a batch's
+        tasks will run (a Python source has no preferred locations), and records polled on a host
+        where no task of the batch lands would be held until a later batch reads there."""
+        if not one_host():
+            return
         with self._lock:
-            read = [x for n, x in sorted(self.batches.items()) if n < b.batch and x.claims]
-            if not read:
-                return
-            per_agent: dict[str, int] = {}
-            for agent_id in read[-1].claims.values():
-                per_agent[agent_id] = per_agent.get(agent_id, 0) + 1
-            conns = {a: self.agents.get(a) for a in per_agent}
-        budget = self.slot_budgets(b)[0]
-        for agent_id, n in per_agent.items():
-            if conns[agent_id] is not None:
-                call_async(conns[agent_id], Prefetch(b.batch, min(n, b.slots), budget, self.opts.poll_timeout_ms))
+            conns = list(self.agents.values())
+        if len(conns) == 1:  # one agent per query run on a host
+            call_async(conns[0], Prefetch(b.batch, b.slots, self.slot_budgets(b)[0], self.opts.poll_timeout_ms))
 
     def slot_budgets(self, b: BatchState) -> list[int | None]:
         return self.policy.slot_budgets(b)
@@ -469,10 +481,12 @@ class Tracker:
             last = max(done, key=lambda b: b.batch).summary() if done else None
             t = self.totals
         return {"v": 1, "tracker": self.tracker_id, "batch": planned, "inflightRecords": inflight, "agents": len(self.agents),
-                "maxRecordsPerConsumer": self.policy.lock_safe_records, "lockDurationMs": self.policy.lock_ms,
+                "maxRecordsPerConsumer": self.policy.lock_safe_records, "lockBudget": self.policy.lock_budget,
+                "lockDurationMs": self.policy.lock_ms,
                 "lockHeadroomMs": self.policy.headroom_ms(last.get("holdMs") if last else None),
                 "acquired": self.total_acquired, "accepted": t.accepted, "released": t.released,
                 "rejected": t.rejected, "expired": t.expired, "failed": t.failed,
+                "relayed": {"reads": self.relays, "bytes": self.relayed_bytes},
                 "lastAcked": last}
 
     def status(self) -> dict:

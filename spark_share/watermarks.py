@@ -2,7 +2,8 @@
 
 Owns: one plain Kafka client kept alive for the whole run (the embedded broker drops every share
 session when any client disconnects), the check at start that the cluster answers and the topics
-exist, and the partitions' high watermarks, refreshed while an idle stream needs them.
+exist, the broker's in-flight cap per partition (asked once), and the partitions' high watermarks,
+refreshed while an idle stream needs them.
 
 Must never: be called on Spark's ``latestOffset`` path for anything but reading memory, or quote a
 credential in an error.
@@ -10,6 +11,7 @@ credential in an error.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 from .errors import SourceError
 from .options import ShareSourceOptions, scrub
@@ -18,6 +20,7 @@ from .options import ShareSourceOptions, scrub
 # embedded broker any client's disconnect ends every share session: a broker stalled for a few
 # seconds must not be met with a short timeout here (the refresh runs off Spark's planning path).
 REFRESH_TIMEOUT_S = 15.0
+RECORD_LOCKS_CONFIG = "group.share.partition.max.record.locks"
 
 
 class MetadataWatcher:
@@ -49,6 +52,8 @@ class MetadataWatcher:
                               f"(existing topics: {sorted(t for t in md.topics if not t.startswith('__'))[:20]})")
         self.partitions: list[tuple[str, int]] = sorted(
             (t, p) for t in opts.topics for p in md.topics[t].partitions)
+        self._brokers = sorted(md.brokers)
+        self._admin: Any = None
         self.high: dict[tuple[str, int], int] = {}
         self.version = 0
         self._wanted = wanted
@@ -56,6 +61,25 @@ class MetadataWatcher:
         self.refresh()
         self._thread = threading.Thread(target=self._loop, name="spark-share-watermarks", daemon=True)
         self._thread.start()
+
+    def record_locks(self, timeout_s: float = 10.0) -> int | None:
+        """The broker's ``group.share.partition.max.record.locks`` (records of a partition the group may
+        have in flight), or None when the cluster does not say (no DescribeConfigs permission; the
+        embedded broker does not implement it). Asked once, when the query starts."""
+        from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
+
+        if not self._brokers:
+            return None
+        try:
+            # Kept until close(): on the embedded broker a client's disconnect ends every share session.
+            self._admin = AdminClient(dict(self._opts.producer_config()))
+            futs = self._admin.describe_configs([ConfigResource(ResourceType.BROKER, str(self._brokers[0]))],
+                                                request_timeout=timeout_s)
+            configs = next(iter(futs.values())).result(timeout=timeout_s + 5)
+            entry = configs.get(RECORD_LOCKS_CONFIG)
+            return int(entry.value) if entry is not None and entry.value else None
+        except Exception:
+            return None
 
     def refresh(self) -> None:
         from confluent_kafka import TopicPartition
@@ -82,6 +106,7 @@ class MetadataWatcher:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(REFRESH_TIMEOUT_S + 5)  # a refresh under way ends first
+        self._admin = None
         try:
             self.client.close()
         except Exception:

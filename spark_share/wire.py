@@ -9,6 +9,11 @@ number under a key per connection and direction, derived from the secret and bot
 nonces. A frame injected into an established connection (a hijacked TCP stream between hosts),
 replayed, reordered or cut is refused and ends the connection before its header is parsed.
 
+A server may also encrypt its connections (records relayed between hosts, when Kafka itself is
+reached over TLS): header and blob are encrypted with AES-256-CTR under a key per connection and
+direction, and the tag covers the ciphertext (encrypt-then-MAC). The server's hello says so, and
+the client's proof covers that flag: a peer on the path cannot turn encryption off.
+
 Must never: unpickle anything (headers are JSON, blobs are handed to Arrow), accept a peer or a
 frame that has not proven it knows the secret, or put the secret in a log line or an exception
 message.
@@ -31,7 +36,9 @@ from .errors import WIRE_ERRORS, AuthError, RemoteError, SparkShareError
 
 log = logging.getLogger("spark_share.wire")
 
-_MAGIC = b"SSHR2"  # 2: every frame carries a tag
+_MAGIC = b"SSHR3"  # 2: every frame carries a tag; 3: the server's hello says whether frames are encrypted
+_ENCRYPTED = b"\x01"
+_PLAIN = b"\x00"
 _NONCE = 32
 _FRAME = struct.Struct("!IQ")  # header length, blob length
 _SEQ = struct.Struct("!Q")
@@ -53,29 +60,57 @@ def _mac(secret: str, role: bytes, nonce: bytes) -> bytes:
 
 
 class FrameKey:
-    """Tags the frames of one direction of one connection: HMAC-SHA256 over the sequence number and
-    the frame, under a key only the two ends of this handshake can derive."""
+    """Tags (and, if asked, encrypts) the frames of one direction of one connection: HMAC-SHA256
+    over the sequence number and the frame, under a key only the two ends of this handshake can
+    derive; AES-256-CTR under another such key, its counter block starting at (sequence, part)."""
 
-    def __init__(self, secret: str, direction: bytes, server_nonce: bytes, client_nonce: bytes):
-        self._key = hmac.new(secret.encode(), b"frames " + direction + server_nonce + client_nonce,
-                             hashlib.sha256).digest()
+    def __init__(self, secret: str, direction: bytes, server_nonce: bytes, client_nonce: bytes,
+                 encrypt: bool = False):
+        def derive(use: bytes) -> bytes:
+            return hmac.new(secret.encode(), use + direction + server_nonce + client_nonce, hashlib.sha256).digest()
+
+        self._key = derive(b"frames ")
+        self._cipher = None
+        if encrypt:
+            from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+
+            self._cipher = (Cipher, algorithms.AES(derive(b"encrypt ")))
         self._seq = 0
 
-    def tag(self, *parts: bytes) -> bytes:
-        """The next frame's tag (each call is the next frame: call in send or receive order)."""
-        mac = hmac.new(self._key, _SEQ.pack(self._seq), hashlib.sha256)
+    @property
+    def encrypts(self) -> bool:
+        return self._cipher is not None
+
+    def next_seq(self) -> int:
+        """The next frame's sequence number (call in send or receive order, once per frame)."""
         self._seq += 1
+        return self._seq - 1
+
+    def tag(self, seq: int, *parts: bytes) -> bytes:
+        mac = hmac.new(self._key, _SEQ.pack(seq), hashlib.sha256)
         for part in parts:
             mac.update(part)
         return mac.digest()
+
+    def crypt(self, seq: int, part: int, data: bytes) -> bytes:
+        """Encrypt or decrypt (CTR is its own inverse) part ``part`` of frame ``seq``: each frame and
+        part has its own counter range, so no key stream is used twice."""
+        if self._cipher is None or not data:
+            return data
+        from cryptography.hazmat.primitives.ciphers import modes
+
+        cipher, aes = self._cipher
+        ctx = cipher(aes, modes.CTR(_SEQ.pack(seq) + bytes([part]) + bytes(7))).encryptor()
+        return ctx.update(data) + ctx.finalize()
 
 
 FrameKeys = tuple[FrameKey, FrameKey]  # (frames we send, frames we receive)
 
 
-def _frame_keys(secret: str, server_nonce: bytes, client_nonce: bytes, we_are_server: bool) -> FrameKeys:
-    to_client = FrameKey(secret, b"server->client", server_nonce, client_nonce)
-    to_server = FrameKey(secret, b"client->server", server_nonce, client_nonce)
+def _frame_keys(secret: str, server_nonce: bytes, client_nonce: bytes, we_are_server: bool,
+                encrypt: bool) -> FrameKeys:
+    to_client = FrameKey(secret, b"server->client", server_nonce, client_nonce, encrypt)
+    to_server = FrameKey(secret, b"client->server", server_nonce, client_nonce, encrypt)
     return (to_client, to_server) if we_are_server else (to_server, to_client)
 
 
@@ -91,38 +126,43 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def server_handshake(sock: socket.socket, secret: str) -> FrameKeys:
+def server_handshake(sock: socket.socket, secret: str, encrypt: bool = False) -> FrameKeys:
     """Challenge the connecting peer, then prove ourselves. Raises AuthError on a bad peer.
-    Returns the keys of this connection's frames."""
+    Returns the keys of this connection's frames. The hello carries ``encrypt``; the peer's proof
+    covers it with the nonce."""
     sock.settimeout(HANDSHAKE_TIMEOUT)
+    flag = _ENCRYPTED if encrypt else _PLAIN
     nonce = os.urandom(_NONCE)
-    sock.sendall(_MAGIC + nonce)
+    sock.sendall(_MAGIC + flag + nonce)
     reply = _recv_exact(sock, len(_MAGIC) + 32 + _NONCE)
     if reply[: len(_MAGIC)] != _MAGIC:
         raise AuthError("peer does not speak the spark-share protocol")
     their_mac, their_nonce = reply[len(_MAGIC): len(_MAGIC) + 32], reply[len(_MAGIC) + 32:]
-    if not hmac.compare_digest(their_mac, _mac(secret, b"client", nonce)):
+    if not hmac.compare_digest(their_mac, _mac(secret, b"client", flag + nonce)):
         sock.sendall(b"\x00")
         raise AuthError("peer failed authentication (wrong or missing per-query secret)")
     sock.sendall(b"\x01" + _mac(secret, b"server", their_nonce))
     sock.settimeout(None)
-    return _frame_keys(secret, nonce, their_nonce, we_are_server=True)
+    return _frame_keys(secret, nonce, their_nonce, we_are_server=True, encrypt=encrypt)
 
 
 def client_handshake(sock: socket.socket, secret: str) -> FrameKeys:
     sock.settimeout(HANDSHAKE_TIMEOUT)
-    hello = _recv_exact(sock, len(_MAGIC) + _NONCE)
+    hello = _recv_exact(sock, len(_MAGIC) + 1 + _NONCE)
     if hello[: len(_MAGIC)] != _MAGIC:
         raise AuthError("server does not speak the spark-share protocol")
+    flag, server_nonce = hello[len(_MAGIC): len(_MAGIC) + 1], hello[len(_MAGIC) + 1:]
+    if flag not in (_ENCRYPTED, _PLAIN):
+        raise AuthError("server sent a malformed hello")
     nonce = os.urandom(_NONCE)
-    sock.sendall(_MAGIC + _mac(secret, b"client", hello[len(_MAGIC):]) + nonce)
+    sock.sendall(_MAGIC + _mac(secret, b"client", flag + server_nonce) + nonce)
     ok = _recv_exact(sock, 1)
     if ok != b"\x01":
         raise AuthError("server refused our credentials (per-query secret mismatch)")
     if not hmac.compare_digest(_recv_exact(sock, 32), _mac(secret, b"server", nonce)):
         raise AuthError("server failed authentication")
     sock.settimeout(None)
-    return _frame_keys(secret, hello[len(_MAGIC):], nonce, we_are_server=False)
+    return _frame_keys(secret, server_nonce, nonce, we_are_server=False, encrypt=flag == _ENCRYPTED)
 
 
 class ForgedFrame(ConnectionError):
@@ -133,8 +173,10 @@ class ForgedFrame(ConnectionError):
 def send_frame(sock: socket.socket, header: dict, blob: bytes, key: FrameKey, lock: threading.Lock) -> None:
     h = json.dumps(header, separators=(",", ":")).encode()
     prefix = _FRAME.pack(len(h), len(blob))
-    with lock:  # tags are numbered: compute and send in one order
-        tag = key.tag(prefix, h, blob)
+    with lock:  # frames are numbered: number, encrypt, tag and send in one order
+        seq = key.next_seq()
+        h, blob = key.crypt(seq, 0, h), key.crypt(seq, 1, blob)
+        tag = key.tag(seq, prefix, h, blob)
         if blob:
             sock.sendall(prefix + h)
             sock.sendall(blob)
@@ -150,8 +192,10 @@ def recv_frame(sock: socket.socket, key: FrameKey) -> tuple[dict, bytes]:
         raise ForgedFrame(f"oversized frame ({hl} + {bl} bytes)")
     h = _recv_exact(sock, hl)
     blob = _recv_exact(sock, bl) if bl else b""
-    if not hmac.compare_digest(_recv_exact(sock, _TAG), key.tag(prefix, h, blob)):
+    seq = key.next_seq()
+    if not hmac.compare_digest(_recv_exact(sock, _TAG), key.tag(seq, prefix, h, blob)):
         raise ForgedFrame("a frame failed authentication (forged, altered, replayed or reordered)")
+    h, blob = key.crypt(seq, 0, h), key.crypt(seq, 1, blob)
     header = json.loads(h)
     if not isinstance(header, dict):
         raise ConnectionError("malformed frame header")
@@ -309,8 +353,9 @@ class RpcServer:
     """
 
     def __init__(self, address, secret: str, handler: Handler, name: str = "server", on_close=None,
-                 scrub: Callable[[str], str] = lambda s: s):
+                 scrub: Callable[[str], str] = lambda s: s, encrypt: bool = False):
         self._secret = secret
+        self._encrypt = encrypt
         self._handler = handler
         self._scrub = scrub
         self._on_close = on_close
@@ -356,7 +401,7 @@ class RpcServer:
         try:
             if conn.family != socket.AF_UNIX:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            keys = server_handshake(conn, self._secret)
+            keys = server_handshake(conn, self._secret, self._encrypt)
         except (AuthError, OSError, ConnectionError) as e:
             self.refused += 1
             log.warning("%s: refused a connection from %s: %s", self.name, peer or "a local peer", e)

@@ -34,6 +34,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--cores-max", default="3")
     ap.add_argument("--max-per-trigger", default=None)
     ap.add_argument("--conf", action="append", default=[], help="extra Spark conf key=value")
+    ap.add_argument("--option", action="append", default=[], help="extra kafka-share option key=value")
+    ap.add_argument("--slow-first-attempt", type=float, default=0.0,
+                    help="the first attempt of each batch's task 0 sleeps this long in the count (speculation)")
     args = ap.parse_args(argv)
 
     from pyspark.sql import SparkSession
@@ -55,10 +58,32 @@ def main(argv: list[str]) -> int:
 
     seen_path = os.path.join(args.shared, "batches.jsonl")
 
+    shared = args.shared
+    slow_s = args.slow_first_attempt
+
+    def attempt_marker(value) -> bool:
+        """Keeps every row. Leaves <shared>/attempts/<stage>-<partition>-<attempt> (every host sees <shared>); the
+        first attempt of partition 0 is slow, so that Spark launches a speculative copy."""
+        from pyspark import TaskContext
+
+        tc = TaskContext.get()
+        mark = os.path.join(shared, "attempts", f"{tc.stageId()}-{tc.partitionId()}-{tc.attemptNumber()}")
+        if not os.path.exists(mark):
+            os.makedirs(os.path.dirname(mark), exist_ok=True)
+            open(mark, "w").close()
+            if tc.partitionId() == 0 and tc.attemptNumber() == 0:
+                time.sleep(slow_s)
+        return True
+
     def process(batch, batch_id):
         from pyspark.sql import functions as F
 
-        n = batch.count()  # first action
+        if slow_s:
+            # A filter, so that the optimizer cannot drop the UDF from the count.
+            keep = F.udf(attempt_marker, "boolean")
+            n = batch.where(keep("value")).count()  # first action, its task 0 slow at first
+        else:
+            n = batch.count()  # first action
         (batch.select("key", "value", "topic", "partition", "offset", "deliveryCount")
          .withColumn("batch", F.lit(batch_id))
          .write.mode("append").parquet(out))  # second action: the batch is read again, maybe on another host
@@ -69,7 +94,8 @@ def main(argv: list[str]) -> int:
     q = (spark.readStream.format("kafka-share").option("kafka.bootstrap.servers", args.bootstrap)
          .option("kafka.group.id", args.group).option("subscribe", args.topic)
          .option("numPartitions", args.partitions)
-         .options(**({"maxRecordsPerTrigger": args.max_per_trigger} if args.max_per_trigger else {})).load()
+         .options(**({"maxRecordsPerTrigger": args.max_per_trigger} if args.max_per_trigger else {}))
+         .options(**dict(o.split("=", 1) for o in args.option)).load()
          .writeStream.foreachBatch(process).option("checkpointLocation", os.path.join(args.shared, "ck")))
     q = (q.trigger(availableNow=True) if args.mode == "drain" else q.trigger(processingTime="1 second")).start()
 
@@ -84,7 +110,8 @@ def main(argv: list[str]) -> int:
                 samples.append({"error": str(e)[:200]})
                 continue
             samples.append({"t": time.time(), "agents": st["agents"], "hosts": st.get("hosts"),
-                            "expired": st["expired"], "batch": st["batch"]})
+                            "expired": st["expired"], "batch": st["batch"], "relayed": st.get("relayed"),
+                            "acquired": {b.get("sparkBatch", b["batch"]): b["acquired"] for b in st["batches"]}})
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()

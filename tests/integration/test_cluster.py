@@ -72,15 +72,28 @@ def _written(shared: str) -> list[dict]:
     return rows
 
 
+def _counts_match_writes(res: dict, rows: list[dict]) -> dict[int, int]:
+    """Every batch's first action (its count) and second (its write, no persist: the batch is read
+    again, maybe on another host) saw the same rows. Returns the rows per batch."""
+    written: dict[int, int] = {}
+    for r in rows:
+        written[r["batch"]] = written.get(r["batch"], 0) + 1
+    counts = {b["batch"]: b["count"] for b in res["batches"] if b["count"]}
+    assert counts == written, f"the batch's count and its write saw different rows: {counts} != {written}"
+    return counts
+
+
 def test_drain_on_three_hosts(cluster, kafka, tmp_path):
     """AvailableNow drains and ends; nothing lost or doubled; the two actions of every batch (no
-    persist) saw the same rows wherever they ran; at most one share consumer per task slot that reads."""
+    persist) saw the same rows wherever they ran (a re-read on another host relays the records
+    between hosts, encrypted: networkEncryption=true); at most one share consumer per task slot
+    that reads."""
     w = Workload(kafka, "orders", partitions=4)
     ids = w.produce(3000)
     group = gid()
     shared = os.path.join(cluster.shared, "drain")
     app = _run_app(cluster, kafka, "drain", "orders", group, shared, "--partitions", "8",
-                   "--max-per-trigger", "1000")
+                   "--max-per-trigger", "1000", "--option", "networkEncryption=true")
     res = _result(app, shared, 600)
     assert res["error"] is None, res["error"]
     rows = _written(shared)
@@ -92,17 +105,50 @@ def test_drain_on_three_hosts(cluster, kafka, tmp_path):
     # so the pools growing on each host during the first batches may deliver records again.
     report = check_no_loss(ids, ids_of(rows), duplicates_reason="members joining while others held records "
                            "(embedded broker)")
-    written: dict[int, int] = {}
-    for r in rows:
-        written[r["batch"]] = written.get(r["batch"], 0) + 1
-    counts = {b["batch"]: b["count"] for b in res["batches"] if b["count"]}
-    assert counts == written, f"the batch's count and its write saw different rows: {counts} != {written}"
+    counts = _counts_match_writes(res, rows)
     assert len({h for s in hosts for h in s}) == 3, f"the read did not run on every host: {hosts[-1]}"
     # A session serves one slot per batch, so a host grows to the most slots its tasks read in one
     # batch: about numPartitions members in all (7-9 measured), never executors x numPartitions (24).
     assert members <= 2 * 8, f"{members} group members for numPartitions=8 on {WORKERS} hosts"
     print(f"drained {len(ids)} records in {len(counts)} batches; {report.duplicates} delivered twice")
+    relayed = [s["relayed"] for s in res["samples"] if s.get("relayed")][-1]
+    per_read = relayed["bytes"] / max(1, relayed["reads"])
+    print(f"re-reads served from another host's agent: {relayed['reads']}, {per_read:,.0f} bytes each through the driver")
+    # A re-read moves one slot (at most 1000 / 8 records here) through the driver, never a batch or more.
+    assert per_read < 64 * 1024, relayed
     assert drain_share_group(kafka.bootstrap_servers, group, ["orders"], timeout=3) == []
+
+
+def test_speculative_reads_see_the_same_rows_and_acquire_nothing_extra(cluster, kafka):
+    """spark.speculation=true, and the first attempt of every batch's first task is slow: Spark
+    runs a copy on another host. The copy claims the slot the first attempt read, so it gets the
+    same rows from that attempt's agent (nothing polled twice): every batch's count equals its
+    write and the records the tracker says the batch acquired."""
+    w = Workload(kafka, "spec", partitions=4)
+    ids = w.produce(1200)
+    group = gid()
+    shared = os.path.join(cluster.shared, "spec")
+    app = _run_app(cluster, kafka, "drain", "spec", group, shared, "--partitions", "4", "--max-per-trigger", "400",
+                   "--slow-first-attempt", "8",
+                   "--conf", "spark.speculation=true", "--conf", "spark.speculation.interval=100ms",
+                   "--conf", "spark.speculation.quantile=0.5", "--conf", "spark.speculation.multiplier=2",
+                   "--conf", "spark.speculation.minTaskRuntime=1s")
+    res = _result(app, shared, 600)
+    assert res["error"] is None, res["error"]
+    attempts = [name.split("-") for name in os.listdir(os.path.join(shared, "attempts"))]
+    speculated = {(stage, part) for stage, part, attempt in attempts if int(attempt) > 0}
+    assert speculated, f"Spark ran no speculative copy: {sorted(attempts)}"
+    rows = _written(shared)
+    check_no_loss(ids, ids_of(rows), duplicates_reason="members joining while others held records "
+                  "(embedded broker)")
+    counts = _counts_match_writes(res, rows)
+    acquired: dict[int, int] = {}
+    for sample in res["samples"]:
+        for b, n in (sample.get("acquired") or {}).items():
+            acquired[int(b)] = max(n, acquired.get(int(b), 0))
+    assert {b: acquired.get(b) for b in counts} == counts, (
+        f"records acquired per batch {acquired} != rows per batch {counts}: a speculative copy polled")
+    print(f"{len(speculated)} tasks ran a speculative copy; acquired per batch {acquired}, rows {counts}")
 
 
 def test_agents_on_a_cluster_join_with_one_consumer(kafka, monkeypatch):

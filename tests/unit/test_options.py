@@ -82,9 +82,23 @@ def test_bad_numbers_and_booleans(key, value, needle):
     assert key in str(e.value)
 
 
-def test_max_records_per_trigger_caps_the_consumer_poll_size():
-    o = parse_options(dict(BASE, maxRecordsPerTrigger="100"))
-    assert o.consumer_config(max_poll_records=50)["max.poll.records"] == "50"
+def test_the_poll_size_is_the_trackers_unless_the_user_gave_a_smaller_one():
+    from spark_share.options import DEFAULT_MAX_POLL_RECORDS, sized
+
+    o = parse_options(BASE)
+    assert "max.poll.records" not in o.consumer_config()
+    assert sized(o.consumer_config(), 16_000)["max.poll.records"] == "16000"
+    assert sized(o.consumer_config(), None)["max.poll.records"] == str(DEFAULT_MAX_POLL_RECORDS)
+    capped = parse_options(dict(BASE, **{"kafka.max.poll.records": "500"}))
+    assert sized(capped.consumer_config(), 16_000)["max.poll.records"] == "500"
+    assert sized(capped.consumer_config(), 50)["max.poll.records"] == "50"
+
+
+def test_max_record_locks_is_a_positive_count():
+    assert parse_options(dict(BASE, maxRecordLocks="10000")).max_record_locks == 10_000
+    assert parse_options(BASE).max_record_locks is None
+    with pytest.raises(OptionError, match="maxRecordLocks"):
+        parse_options(dict(BASE, maxRecordLocks="0"))
 
 
 def test_redact_and_scrub():
@@ -94,3 +108,20 @@ def test_redact_and_scrub():
     assert r["bootstrap.servers"] == "b" and {r["sasl.password"], r["ssl.key.password"],
                                               r["sasl.oauthbearer.client.secret"]} == {"***"}
     assert scrub("login failed for hunter22 at b", ["hunter22"]) == "login failed for *** at b"
+
+
+@pytest.mark.parametrize("given, protocol, encrypted", [
+    (None, None, False), (None, "SASL_SSL", True), (None, "ssl", True), (None, "SASL_PLAINTEXT", False),
+    ("true", None, True), ("false", "SSL", False), ("AUTO", "SSL", True)])
+def test_network_encryption_follows_kafkas_tls_unless_told(given, protocol, encrypted):
+    opts = dict(BASE)
+    if given is not None:
+        opts["networkEncryption"] = given
+    if protocol is not None:
+        opts["kafka.security.protocol"] = protocol
+    assert parse_options(opts).encrypt_network is encrypted
+
+
+def test_network_encryption_takes_true_false_or_auto():
+    with pytest.raises(OptionError, match="networkEncryption"):
+        parse_options(dict(BASE, networkEncryption="yes"))

@@ -114,7 +114,22 @@ def test_slots_and_budgets_follow_max_records_per_trigger():
     assert p.slot_budgets(BatchState(0, 4, 1000)) == [250] * 4
     assert p.slot_budgets(BatchState(0, 4, None)) == [None] * 4
     assert p.poll_size(None) == 250, "before any batch: maxRecordsPerTrigger over the slots"
-    assert p.poll_size(BatchState(0, 2, None)) is None
+
+
+def test_polls_take_their_share_of_the_lock_budget():
+    p = BatchPolicy(num_slots=2, idle_probe_ms=10_000)
+    p.partitions, p.record_locks = 8, 2000
+    assert p.lock_budget == 16_000
+    assert p.poll_size(None) == 8000, "two consumers fill the 16,000 records the group may hold"
+    p.record_locks = 10_000
+    assert p.poll_size(BatchState(0, 2, None)) == 40_000
+    p.num_slots = 3
+    assert p.poll_size(None) == 26_667, "rounded up: a consumer may hold more partitions than another"
+    p.max_records_per_trigger = 3000
+    assert p.poll_size(None) == 1000, "maxRecordsPerTrigger still caps it"
+    wide = BatchPolicy(num_slots=8, idle_probe_ms=10_000)
+    wide.partitions = 2
+    assert wide.poll_size(None) == 500, "more consumers than partitions share two partitions' locks"
 
 
 def test_lock_expiry_halves_what_a_consumer_may_take_and_learns_the_lock():

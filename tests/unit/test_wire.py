@@ -10,7 +10,8 @@ from support import wait_until
 
 
 @pytest.fixture
-def server():
+def server(request):
+    """A server echoing requests; ``indirect`` parametrization turns its encryption on."""
     seen = []
 
     def handler(conn, req, blob):
@@ -19,7 +20,8 @@ def server():
             raise ValueError("boom happened")
         return {"echo": req.get("x"), "n": len(blob)}, blob[::-1]
 
-    srv = wire.RpcServer(("127.0.0.1", 0), "s3cret-value", handler, name="test")
+    srv = wire.RpcServer(("127.0.0.1", 0), "s3cret-value", handler, name="test",
+                         encrypt=getattr(request, "param", False))
     yield srv, seen
     srv.close()
 
@@ -145,12 +147,14 @@ def _closed_by_peer(sock) -> bool:
         return False
 
 
+@pytest.mark.parametrize("server", [False, True], indirect=True, ids=["tagged", "encrypted"])
 def test_a_forged_frame_after_a_valid_handshake_is_refused(server, caplog):
     """An attacker on the path writes into an authenticated stream: a well-formed frame, without
     the connection's key. The server closes the connection before the frame reaches a handler."""
     caplog.set_level("WARNING", logger="spark_share.wire")
     srv, seen = server
     sock, (send_key, _) = _authenticated_socket(srv)
+    assert send_key.encrypts is srv._encrypt
     wire.send_frame(sock, {"op": "x", "x": 1, "_id": 1, "_kind": "req"}, b"", send_key, threading.Lock())
     header = json.dumps({"op": "x", "x": 2, "_id": 2, "_kind": "req"}).encode()
     sock.sendall(wire._FRAME.pack(len(header), 0) + header + os.urandom(32))
@@ -192,3 +196,86 @@ def test_frames_of_another_connection_do_not_verify(server):
     first.close()
     second.close()
     wait_until(lambda: srv.forged == 1, timeout=10, message="the foreign frame was not refused")
+
+
+class _Tap:
+    """A TCP relay between a client and a server that keeps what crosses it, and may rewrite the
+    server's first bytes (its hello) on the way: a peer on the path between two hosts."""
+
+    def __init__(self, target, rewrite_hello=None):
+        self._target, self._rewrite = target, rewrite_hello
+        self.seen = bytearray()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = self._listener.getsockname()[:2]
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self):
+        client, _ = self._listener.accept()
+        server = socket.create_connection(self._target)
+        for src, dst, first in ((client, server, None), (server, client, self._rewrite)):
+            t = threading.Thread(target=self._pump, args=(src, dst, first), daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _pump(self, src, dst, rewrite):
+        try:
+            while data := src.recv(65536):
+                if rewrite is not None:
+                    data, rewrite = rewrite(data), None
+                self.seen.extend(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self):
+        self._listener.close()
+
+
+@pytest.mark.parametrize("encrypt", [True, False])
+def test_an_encrypting_server_hides_headers_and_records_on_the_wire(encrypt):
+    """With encryption on, neither a frame's header nor its blob (relayed records) crosses the
+    network in the clear, and they arrive intact; with it off (the control) both are visible."""
+    record = b"card=4111-1111-1111-1111;" * 40
+    got = []
+
+    def handler(conn, req, blob):
+        got.append((req.get("note"), blob))
+        return {"note": "reply-in-clear?"}, blob
+
+    srv = wire.RpcServer(("127.0.0.1", 0), "s3cret-value", handler, name="enc", encrypt=encrypt)
+    tap = _Tap(srv.address)
+    try:
+        c = wire.connect(tap.address, "s3cret-value")
+        rep, blob = c.call({"op": "x", "note": "header-in-clear?"}, record, timeout=5)
+        assert rep["note"] == "reply-in-clear?" and blob == record
+        assert got == [("header-in-clear?", record)]
+        c.close()
+        wire_bytes = bytes(tap.seen)
+        for plain in (b"card=4111", b"header-in-clear?", b"reply-in-clear?"):
+            assert (plain in wire_bytes) is (not encrypt), plain
+    finally:
+        tap.close()
+        srv.close()
+
+
+def test_a_peer_on_the_path_cannot_turn_encryption_off():
+    """The server's hello says its frames are encrypted; a relay that flips that flag makes the
+    client's proof fail, and the connection is refused rather than run in the clear."""
+    srv = wire.RpcServer(("127.0.0.1", 0), "s3cret-value", lambda c, r, b: ({}, b""), name="enc", encrypt=True)
+    flag_at = len(wire._MAGIC)
+    tap = _Tap(srv.address, rewrite_hello=lambda d: d[:flag_at] + wire._PLAIN + d[flag_at + 1:])
+    try:
+        with pytest.raises((wire.AuthError, ConnectionError)):
+            wire.connect(tap.address, "s3cret-value").call({"op": "x"}, b"records", timeout=5)
+        wait_until(lambda: srv.refused == 1, timeout=10, message="the downgraded handshake was not refused")
+    finally:
+        tap.close()
+        srv.close()
+

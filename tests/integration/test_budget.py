@@ -1,0 +1,52 @@
+"""Batches fill the lock budget: partitions x the records each partition may have in flight."""
+from __future__ import annotations
+
+import json
+
+from tests.support import Workload, check_no_loss, gid, id_col, run_available_now, tracker_log
+
+
+def _progress(q) -> dict:
+    latest = q.recentProgress[-1]["sources"][0]["latestOffset"]
+    return json.loads(latest) if isinstance(latest, str) else latest
+
+
+def test_a_backlog_fills_the_lock_budget(spark, kafka, tmp_path):
+    """8 partitions x 4,000 locks: two consumers may hold 32,000 records, more than the 10,000 a
+    poll took before polls were sized from the budget. The backlog's first batch holds all of it."""
+    locks, partitions = 4000, 8
+    kafka.set_max_record_locks(locks)
+    w = Workload(kafka, "budget", partitions=partitions)
+    w.produce(40_000)
+    sizes: dict[int, int] = {}
+    seen: list[int] = []
+
+    def count(df, batch_id):
+        ids = [r[0] for r in df.select(id_col()).collect()]
+        sizes[batch_id] = len(ids)
+        seen.extend(ids)
+
+    q = run_available_now(spark, kafka, gid(), "budget", count, str(tmp_path / "ck"),
+                          numPartitions=2, maxRecordLocks=locks)
+    assert q.exception() is None
+    assert _progress(q)["lockBudget"] == locks * partitions
+    assert "record locks per partition: 4000, from option maxRecordLocks" in tracker_log(q)
+    batches = [sizes[b] for b in sorted(sizes) if sizes[b]]
+    assert max(batches) >= 0.9 * locks * partitions, f"batch sizes {batches}"
+    assert max(batches) <= locks * partitions, f"more than the broker lets the group hold: {batches}"
+    check_no_loss(w.ids, seen)
+
+
+def test_without_the_option_the_budget_is_kafkas_default_when_the_broker_does_not_say(spark, kafka, tmp_path):
+    """The embedded broker does not implement DescribeConfigs: the source falls back to Kafka's
+    default of 2,000 per partition and says so."""
+    w = Workload(kafka, "budget-default", partitions=3)
+    w.produce(300)
+    seen: list[int] = []
+    q = run_available_now(spark, kafka, gid(), "budget-default",
+                          lambda df, _b: seen.extend(r[0] for r in df.select(id_col()).collect()),
+                          str(tmp_path / "ck"))
+    assert q.exception() is None
+    assert _progress(q)["lockBudget"] == 3 * 2000
+    assert "record locks per partition: 2000, from Kafka's default (the broker did not say" in tracker_log(q)
+    check_no_loss(w.ids, seen)
