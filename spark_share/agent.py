@@ -8,8 +8,9 @@ broker answered, write dead letters, hand a cached batch to another host, shut d
 Read tasks reach it over a Unix socket that only the owner can open, authenticated with the
 per-query secret; it reaches the tracker over TCP with the same secret.
 
-Started by the first ``read()`` on a host (``launcher.ensure_agent``), detached from the Python
-worker so that Spark recycling or killing workers does not take acquired records with it.
+Started by the first ``read()`` on a host (``launcher.ensure_agent``; in local mode by the source
+runner when the query starts), detached from the Python worker so that Spark recycling or killing
+workers does not take acquired records with it.
 
 Must never: acknowledge anything the tracker did not ask for, poll a session that still holds
 records no acknowledgement has been queued for, receive Kafka credentials over a socket (they come

@@ -1,4 +1,5 @@
-"""Finding or starting this host's agent, from a read task (a Python worker).
+"""Finding or starting this host's agent, from a read task (a Python worker), or in local mode from
+the source runner as the query starts.
 
 Owns: connecting a read task to the agent of its query run on this host, and starting that agent
 when none runs: one spawner at a time (``.spawn`` lock), an agent's life marked by a lock it holds
