@@ -61,7 +61,6 @@ print(json.dumps({"seconds": dt, "records": sum(got),
 
 class Embedded(EmbeddedKafka):
     """The embedded broker, as the benchmark uses a cluster."""
-    options: dict[str, str] = {}
 
     def create_topic(self, name: str, partitions: int = 1, replication_factor: int = 1) -> str:  # type: ignore[override]
         super().create_topic(name, partitions)

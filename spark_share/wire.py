@@ -70,16 +70,16 @@ class FrameKey:
             return hmac.new(secret.encode(), use + direction + server_nonce + client_nonce, hashlib.sha256).digest()
 
         self._key = derive(b"frames ")
-        self._cipher = None
+        self._aes = None
         if encrypt:
-            from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+            from cryptography.hazmat.primitives.ciphers import algorithms
 
-            self._cipher = (Cipher, algorithms.AES(derive(b"encrypt ")))
+            self._aes = algorithms.AES(derive(b"encrypt "))
         self._seq = 0
 
     @property
     def encrypts(self) -> bool:
-        return self._cipher is not None
+        return self._aes is not None
 
     def next_seq(self) -> int:
         """The next frame's sequence number (call in send or receive order, once per frame)."""
@@ -95,12 +95,11 @@ class FrameKey:
     def crypt(self, seq: int, part: int, data: bytes) -> bytes:
         """Encrypt or decrypt (CTR is its own inverse) part ``part`` of frame ``seq``: each frame and
         part has its own counter range, so no key stream is used twice."""
-        if self._cipher is None or not data:
+        if self._aes is None or not data:
             return data
-        from cryptography.hazmat.primitives.ciphers import modes
+        from cryptography.hazmat.primitives.ciphers import Cipher, modes
 
-        cipher, aes = self._cipher
-        ctx = cipher(aes, modes.CTR(_SEQ.pack(seq) + bytes([part]) + bytes(7))).encryptor()
+        ctx = Cipher(self._aes, modes.CTR(_SEQ.pack(seq) + bytes([part]) + bytes(7))).encryptor()
         return ctx.update(data) + ctx.finalize()
 
 

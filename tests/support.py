@@ -280,6 +280,12 @@ def id_col():
 
 
 
+def source_progress(q) -> dict:
+    """The source's part of the query's last progress (the tracker's counts)."""
+    latest = q.recentProgress[-1]["sources"][0]["latestOffset"]
+    return json.loads(latest) if isinstance(latest, str) else latest
+
+
 def wait_until(predicate, timeout: float, interval: float = 0.05, message: str = "condition not met"):
     """Call ``predicate`` until it returns something truthy (returned) or ``timeout`` s pass
     (AssertionError naming ``message``)."""

@@ -1,14 +1,7 @@
 """Batches fill the lock budget: partitions x the records each partition may have in flight."""
 from __future__ import annotations
 
-import json
-
-from tests.support import Workload, check_no_loss, gid, id_col, run_available_now, tracker_log
-
-
-def _progress(q) -> dict:
-    latest = q.recentProgress[-1]["sources"][0]["latestOffset"]
-    return json.loads(latest) if isinstance(latest, str) else latest
+from support import Workload, check_no_loss, gid, id_col, run_available_now, source_progress, tracker_log
 
 
 def test_a_backlog_fills_the_lock_budget(spark, kafka, tmp_path):
@@ -29,7 +22,7 @@ def test_a_backlog_fills_the_lock_budget(spark, kafka, tmp_path):
     q = run_available_now(spark, kafka, gid(), "budget", count, str(tmp_path / "ck"),
                           numPartitions=2, maxRecordLocks=locks)
     assert q.exception() is None
-    assert _progress(q)["lockBudget"] == locks * partitions
+    assert source_progress(q)["lockBudget"] == locks * partitions
     assert "record locks per partition: 4000, from option maxRecordLocks" in tracker_log(q)
     batches = [sizes[b] for b in sorted(sizes) if sizes[b]]
     assert max(batches) >= 0.9 * locks * partitions, f"batch sizes {batches}"
@@ -47,6 +40,6 @@ def test_without_the_option_the_budget_is_kafkas_default_when_the_broker_does_no
                           lambda df, _b: seen.extend(r[0] for r in df.select(id_col()).collect()),
                           str(tmp_path / "ck"))
     assert q.exception() is None
-    assert _progress(q)["lockBudget"] == 3 * 2000
+    assert source_progress(q)["lockBudget"] == 3 * 2000
     assert "record locks per partition: 2000, from Kafka's default (the broker did not say" in tracker_log(q)
     check_no_loss(w.ids, seen)

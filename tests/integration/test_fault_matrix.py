@@ -51,17 +51,13 @@ from support import (
     registry,
     run_available_now,
     runner_processes,
+    source_progress,
     tracker_log,
     uid,
     wait_until,
 )
 
 pytestmark = pytest.mark.slow
-
-
-def source_progress(q) -> dict:
-    latest = q.recentProgress[-1]["sources"][0]["latestOffset"]
-    return json.loads(latest) if isinstance(latest, str) else latest
 
 
 HARNESS = os.path.join(os.path.dirname(__file__), "sigterm_harness.py")
