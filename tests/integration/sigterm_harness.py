@@ -28,6 +28,16 @@ from spark_share.reader import ShareStreamReader  # noqa: E402
 from spark_share.tracker import Tracker  # noqa: E402
 
 HOLD_S = 60.0
+_say_lock = threading.Lock()
+
+
+def say(*words) -> None:
+    """One whole line to the test. ``print`` writes each word apart, and at the ``acknowledging`` phase
+    two threads print at once: their words interleaved ("LATEST_OFFSET_RETURNEDPHASE ...") and the
+    test missed the PHASE line."""
+    with _say_lock:
+        sys.stdout.write(" ".join(map(str, words)) + "\n")
+        sys.stdout.flush()
 
 
 def main() -> None:
@@ -35,7 +45,7 @@ def main() -> None:
     stop_begun = threading.Event()
 
     def hold(name: str) -> None:
-        print("PHASE", name, flush=True)
+        say("PHASE", name)
         stop_begun.wait(HOLD_S)
 
     shutdown = Tracker.shutdown
@@ -53,7 +63,7 @@ def main() -> None:
         end = reader.latestOffset(start, None)
         rows = sum(rb.num_rows for p in reader.partitions(start, end) for rb in reader.read(p))
         t._register_query(query_id)
-        print("READ", rows, t.tracker_id, flush=True)
+        say("READ", rows, t.tracker_id)
         sys.stdin.readline()
 
         if phase == "latest_offset":
@@ -84,7 +94,7 @@ def main() -> None:
         else:
             raise SystemExit(f"unknown phase {phase!r}")
         reader.latestOffset(end, None)
-        print("LATEST_OFFSET_RETURNED", flush=True)
+        say("LATEST_OFFSET_RETURNED")
         sys.stdin.readline()  # the test ends us with SIGTERM
     finally:
         reader.stop()

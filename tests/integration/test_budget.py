@@ -6,11 +6,19 @@ from support import Workload, check_no_loss, gid, id_col, run_available_now, sou
 
 def test_a_backlog_fills_the_lock_budget(spark, kafka, tmp_path):
     """8 partitions x 4,000 locks: two consumers may hold 32,000 records, more than the 10,000 a
-    poll took before polls were sized from the budget. The backlog's first batch holds all of it."""
+    poll took before polls were sized from the budget. Once the group has settled, a batch of the
+    backlog holds all of it.
+
+    Until its next heartbeat the first member to join believes it holds every partition, and its
+    first fetch may take locks on the other member's partitions too (measured on the embedded
+    broker: 5 s at the default heartbeat interval). The heartbeat is shortened so that window
+    closes while the agent's sessions settle, and the backlog is two budgets and more, so a batch
+    after it is full even if a loaded machine stretches the window past the first."""
     locks, partitions = 4000, 8
     kafka.set_max_record_locks(locks)
+    kafka.set_heartbeat_interval(250)
     w = Workload(kafka, "budget", partitions=partitions)
-    w.produce(40_000)
+    w.produce(72_000)
     sizes: dict[int, int] = {}
     seen: list[int] = []
 
