@@ -1,6 +1,6 @@
 """kafka-share on a Spark standalone cluster of separate hosts (network namespaces: tests/cluster.py):
 the driver on its own host, three worker hosts with one core each, the embedded broker reached
-from every host. (Losing a host mid-stream is not tested yet: see the README.)
+from every host.
 
 The driver program (cluster_app.py) runs on the driver host and leaves its results in the
 cluster's shared directory; these tests judge them. Needs root and socat (`.ci/run` installs
@@ -13,12 +13,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pyarrow.parquet as pq
 import pytest
 
 from cluster import NamespaceCluster
-from support import Workload, check_no_loss, drain_share_group, gid, ids_of
+from support import Workload, check_no_loss, drain_share_group, gid, ids_of, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -149,6 +150,89 @@ def test_speculative_reads_see_the_same_rows_and_acquire_nothing_extra(cluster, 
     assert {b: acquired.get(b) for b in counts} == counts, (
         f"records acquired per batch {acquired} != rows per batch {counts}: a speculative copy polled")
     print(f"{len(speculated)} tasks ran a speculative copy; acquired per batch {acquired}, rows {counts}")
+
+
+def test_a_host_lost_mid_stream(cluster, kafka):
+    """One worker host dies (its worker, executor, Python workers and agent: SIGKILL) in the middle
+    of a stream: the query goes on on the other hosts, nothing is lost, and the records the host
+    held come back (duplicates, counted)."""
+    kafka.set_record_lock_duration(10_000)
+    w = Workload(kafka, "jobs", partitions=4)
+    ids = w.produce(4000)
+    group = gid()
+    shared = os.path.join(cluster.shared, "loss")
+    app = _run_app(cluster, kafka, "stream", "jobs", group, shared, "--partitions", "3", "--max-per-trigger", "300")
+    seen_path = os.path.join(shared, "batches.jsonl")
+
+    def batches() -> list[dict]:
+        try:
+            return [json.loads(line) for line in open(seen_path) if line.strip()]
+        except FileNotFoundError:
+            return []
+
+    wait_until(lambda: len(batches()) >= 3 or app.poll() is not None, timeout=300,
+               message="the stream did not run 3 batches")
+    assert app.poll() is None, f"the driver program ended early: {_tail(app.log_path)}"
+    victim = "w2"
+    killed = cluster.kill_host(victim)
+    assert killed, "nothing ran on the host"
+    after = len(batches())
+    try:
+        wait_until(lambda: len(set(ids_of(_written(shared)))) == len(ids) or app.poll() is not None, timeout=300,
+                   interval=2, message="the stream did not deliver every record after the host was lost")
+    except AssertionError as e:
+        raise AssertionError(f"{e}: {len(set(ids_of(_written(shared))))} of {len(ids)} delivered; batches since: "
+                             f"{batches()[after:][-8:]}; driver log: {_tail(app.log_path)}") from None
+    assert len(batches()) > after, "no batch ran after the host was lost"
+    open(os.path.join(shared, "stop"), "w").close()
+    res = _result(app, shared, 180)
+    assert res["error"] is None, res["error"]
+    report = check_no_loss(ids, ids_of(_written(shared)), duplicates_reason=f"host {victim} was lost mid-stream")
+    took = batches()[-1]["t"] - batches()[after - 1]["t"]
+    print(f"host {victim} lost: {len(killed)} processes killed; the stream went on for {len(batches()) - after} "
+          f"batches ({took:.0f} s) on the other hosts; {report.duplicates} records delivered twice")
+    assert drain_share_group(kafka.bootstrap_servers, group, ["jobs"], timeout=3) == []
+
+
+STEADY_S = 300
+
+
+def test_a_steady_stream_on_two_hosts_lets_no_lock_expire(cluster, kafka):
+    """Five minutes of a steady stream (200 records/s, a 1 s trigger) read on two hosts, under a 10 s
+    record lock: every record is acquired where a task of its batch reads it, so no lock expires
+    (a poll started ahead on a host no task of the batch lands on would hold its records past the
+    lock), and nothing is lost."""
+    import threading
+
+    kafka.set_record_lock_duration(10_000)
+    w = Workload(kafka, "steady", partitions=4)
+    group = gid()
+    shared = os.path.join(cluster.shared, "steady")
+    app = _run_app(cluster, kafka, "stream", "steady", group, shared, "--partitions", "2", "--cores-max", "2")
+    wait_until(lambda: os.path.exists(os.path.join(shared, "running")) or app.poll() is not None, timeout=300,
+               message="the stream did not start")
+    assert app.poll() is None, f"the driver program ended early: {_tail(app.log_path)}"
+    pace = threading.Event()  # never set: its wait paces the producer
+    end = time.monotonic() + STEADY_S
+    while time.monotonic() < end and app.poll() is None:
+        w.produce(100)  # one message set per partition: the embedded broker's fetch slows with their number
+        pace.wait(0.5)
+    wait_until(lambda: len(set(ids_of(_written(shared)))) == len(w.ids) or app.poll() is not None, timeout=120,
+               interval=1, message="the stream did not deliver every record")
+    open(os.path.join(shared, "stop"), "w").close()
+    res = _result(app, shared, 180)
+    assert res["error"] is None, res["error"]
+    assert res["final"] is not None, f"the query had ended before the stop: {_tail(app.log_path)}"
+    rows = _written(shared)
+    report = check_no_loss(w.ids, ids_of(rows), duplicates_reason="members joining while others held records "
+                           "(embedded broker)")
+    hosts = {h for s in res["samples"] if s.get("hosts") for h in s["hosts"]}
+    batches = [b for b in res["batches"] if b["count"]]
+    print(f"{len(w.ids)} records in {STEADY_S} s on hosts {sorted(hosts)}: {len(batches)} batches with rows, "
+          f"{res['final']['expired']} records' locks expired, {report.duplicates} delivered twice")
+    assert len(hosts) == 2, f"the stream did not read on two hosts: {sorted(hosts)}"
+    assert res["final"]["expired"] == 0, f"{res['final']['expired']} records' locks expired"
+    assert drain_share_group(kafka.bootstrap_servers, group, ["steady"], timeout=3) == []
 
 
 def test_agents_on_a_cluster_join_with_one_consumer(kafka, monkeypatch):
