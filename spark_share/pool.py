@@ -28,6 +28,8 @@ log = logging.getLogger("spark_share.agent")
 # broker): its first poll may wait until it is this old, unless librdkafka reports earlier that it
 # joined and fetched (see ShareSession.poll), so an AvailableNow run does not end early.
 FIRST_POLL_MIN_MS = 5000
+# How long start() waits at most for its sessions to report that they joined (about 0.1 s on the
+# embedded broker: the first statistics after the join).
 JOIN_SETTLE_S = 1.0
 
 
@@ -52,6 +54,8 @@ class SessionPool:
         self._prefetched: dict[ShareSession, Future] = {}  # session -> its poll that no read has claimed yet
         self._last_taken: dict[str, tuple[int, float]] = {}  # session id -> (batch, when) of its last poll
         self.full_size: int | None = None  # max.poll.records of a session started without a budget
+        self._joined = False  # the first start() is done
+        self._pending_prefetch: tuple | None = None  # a prefetch that came while the first sessions joined
 
     def __len__(self) -> int:
         return len(self.sessions)
@@ -61,16 +65,20 @@ class SessionPool:
 
         A member joining later makes the group rebalance; the embedded broker ends the other
         members' share sessions then and hands their acquired records out again (duplicates)."""
-        settled = time.monotonic() + JOIN_SETTLE_S
         sessions = [self._new(max_poll_records) for _ in range(n)]
+        joining = [s.joined(JOIN_SETTLE_S) for s in sessions]
         records.warm_up()  # meanwhile: the first conversion's one-time imports (pandas, through pyarrow)
-        time.sleep(max(0.0, settled - time.monotonic()))
+        wait_futures(joining, timeout=JOIN_SETTLE_S + 5)
         with self._lock:
             self.sessions.extend(sessions)
             if max_poll_records is None and sessions:
                 self.full_size = sessions[0].max_poll_records
+            pending, self._pending_prefetch = self._pending_prefetch, None
+            self._joined = True
         log.info("%s: %d share sessions (max.poll.records %s) joined the group", self.name, n,
                  sessions[0].max_poll_records if sessions else "-")
+        if pending:
+            self.prefetch(*pending)
 
     def take(self, batch: int, max_records: int | None) -> tuple[ShareSession, Future | None]:
         """Reserve a session for a read of ``batch``: (session, its prefetched poll or None).
@@ -138,6 +146,9 @@ class SessionPool:
         with self._resize_lock:
             self._resize(max_records)
         with self._lock:
+            if not self._joined:  # the tracker planned the batch while the sessions join: poll once they have
+                self._pending_prefetch = (batch, count, max_records, poll_timeout_ms)
+                return 0
             chosen = sorted(self._free(max_records), key=lambda s: self._poll_order(s, batch))[:count]
             for s in chosen:
                 self._prefetched[s] = s.poll(batch, -1, max_records, poll_budget(s, poll_timeout_ms))

@@ -181,6 +181,11 @@ class ShareSession:
                     self._acks_queued -= 1
         return self._submit(run)
 
+    def joined(self, timeout_s: float) -> Future:
+        """True once librdkafka reports this consumer a steady member of the group (within
+        ``timeout_s``; False after it). Serves the consumer's queue meanwhile, acquiring nothing."""
+        return self._submit(lambda: self._wait_joined(timeout_s))
+
     def close(self) -> Future:
         """Release what is held (close() does) and leave the group."""
         fut = self._submit(self._close)
@@ -205,6 +210,18 @@ class ShareSession:
             self.consumer.commit_async()
         except Exception as e:  # closed underneath, or the client refuses: the next command will say
             log.debug("session %s: serving the idle consumer failed: %s", self.session_id, self._scrub(str(e)))
+
+    def _wait_joined(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._serve_idle()  # statistics reach _on_stats only when the queue is served
+            if self._fetch_state(self.created_at) is not None:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            # Statistics come every STATS_INTERVAL_MS; librdkafka offers nothing to wait on for them.
+            time.sleep(min(left, POLL_SLICE_S))
 
     def _drained(self, started: float, base: dict[str, int]) -> bool:
         """Has every broker this consumer fetches from answered a fetch sent after the poll began?

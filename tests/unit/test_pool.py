@@ -10,6 +10,13 @@ class FakeSession:
         self.busy = False
         self.max_poll_records = 500
 
+    def joined(self, timeout_s):
+        from concurrent.futures import Future
+
+        f = Future()
+        f.set_result(True)
+        return f
+
 
 def pool_of(sessions):
     pool = SessionPool(new_session=lambda max_poll_records: FakeSession(len(pool.sessions)), name="test")
@@ -58,7 +65,6 @@ class SizedSession(FakeSession):
 
 
 def sized_pool(monkeypatch, full=1000):
-    monkeypatch.setattr("spark_share.pool.JOIN_SETTLE_S", 0.0)
     made = []
 
     def new(max_poll_records):
@@ -87,3 +93,33 @@ def test_sessions_shrink_with_the_budget_and_grow_back_only_when_none_holds_reco
     pool.give_back(grown)
     full, _ = pool.take(3, None)
     assert full.max_poll_records == 1000, "back to the configured size"
+
+
+def test_a_prefetch_that_comes_while_the_sessions_join_polls_once_they_have():
+    """The tracker plans the first batch while the agent's sessions are still joining: its polls
+    start when they have joined, and the first reads take them."""
+    import time
+    from concurrent.futures import Future
+
+    polled = []
+
+    class PollingSession(FakeSession):
+        polls = 0
+
+        def __init__(self, n):
+            super().__init__(n)
+            self.created_at = time.monotonic()
+
+        def poll(self, batch, slot, max_records, timeout_ms):
+            polled.append((self.session_id, batch))
+            f = Future()
+            f.set_result(None)
+            return f
+
+    made = []
+    pool = SessionPool(new_session=lambda _size: made.append(PollingSession(len(made))) or made[-1], name="test")
+    assert pool.prefetch(0, 2, None, 1000) == 0
+    assert polled == []
+    pool.start(2)
+    assert sorted(polled) == [("s0", 0), ("s1", 0)]
+    assert all(pool.take(0, None)[1] is not None for _ in range(2)), "a read did not get the poll started ahead"
