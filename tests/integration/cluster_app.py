@@ -37,6 +37,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--option", action="append", default=[], help="extra kafka-share option key=value")
     ap.add_argument("--slow-first-attempt", type=float, default=0.0,
                     help="the first attempt of each batch's task 0 sleeps this long in the count (speculation)")
+    ap.add_argument("--fail-first-attempt", type=int, default=None, metavar="BATCH",
+                    help="the first attempt of this batch's task 0 fails in the count (a task retry)")
+    ap.add_argument("--crash-after-write", type=int, default=None, metavar="BATCH",
+                    help="foreachBatch raises after writing this batch, once; the query restarts from its checkpoint")
     args = ap.parse_args(argv)
 
     from pyspark.sql import SparkSession
@@ -60,44 +64,61 @@ def main(argv: list[str]) -> int:
 
     shared = args.shared
     slow_s = args.slow_first_attempt
+    run = {"n": 0}  # query runs: a crash after the write restarts the query
 
-    def attempt_marker(value) -> bool:
-        """Keeps every row. Leaves <shared>/attempts/<stage>-<partition>-<attempt> (every host sees <shared>); the
-        first attempt of partition 0 is slow, so that Spark launches a speculative copy."""
-        from pyspark import TaskContext
+    def attempt_marker(fail: bool):
+        def keep(value) -> bool:
+            """Keeps every row. Leaves <shared>/attempts/<stage>-<partition>-<attempt> holding the host's
+            name (every host sees <shared>). The first attempt of partition 0 is slow, so that Spark
+            launches a speculative copy, or fails, so that Spark retries it."""
+            import socket
 
-        tc = TaskContext.get()
-        mark = os.path.join(shared, "attempts", f"{tc.stageId()}-{tc.partitionId()}-{tc.attemptNumber()}")
-        if not os.path.exists(mark):
-            os.makedirs(os.path.dirname(mark), exist_ok=True)
-            open(mark, "w").close()
-            if tc.partitionId() == 0 and tc.attemptNumber() == 0:
-                time.sleep(slow_s)
-        return True
+            from pyspark import TaskContext
+
+            tc = TaskContext.get()
+            mark = os.path.join(shared, "attempts", f"{tc.stageId()}-{tc.partitionId()}-{tc.attemptNumber()}")
+            if not os.path.exists(mark):
+                os.makedirs(os.path.dirname(mark), exist_ok=True)
+                with open(mark, "w") as f:
+                    f.write(socket.gethostname())
+                if tc.partitionId() == 0 and tc.attemptNumber() == 0:
+                    if fail:
+                        raise RuntimeError("the first attempt of this task fails (cluster test)")
+                    time.sleep(slow_s)
+            return True
+        return keep
 
     def process(batch, batch_id):
         from pyspark.sql import functions as F
 
-        if slow_s:
+        fail = batch_id == args.fail_first_attempt
+        if slow_s or fail:
             # A filter, so that the optimizer cannot drop the UDF from the count.
-            keep = F.udf(attempt_marker, "boolean")
-            n = batch.where(keep("value")).count()  # first action, its task 0 slow at first
+            keep = F.udf(attempt_marker(fail), "boolean")
+            n = batch.where(keep("value")).count()  # first action, its task 0 slow or failing at first
         else:
             n = batch.count()  # first action
         (batch.select("key", "value", "topic", "partition", "offset", "deliveryCount")
-         .withColumn("batch", F.lit(batch_id))
+         .withColumn("batch", F.lit(batch_id)).withColumn("run", F.lit(run["n"]))
          .write.mode("append").parquet(out))  # second action: the batch is read again, maybe on another host
-        batches.append({"batch": batch_id, "count": n, "t": time.time()})
+        crashed = os.path.join(shared, "crashed")
+        if batch_id == args.crash_after_write and not os.path.exists(crashed):
+            open(crashed, "w").close()
+            raise RuntimeError(f"foreachBatch fails after writing batch {batch_id} (cluster test)")
+        batches.append({"batch": batch_id, "count": n, "t": time.time(), "run": run["n"]})
         with open(seen_path, "a") as f:  # the test follows the stream here
             f.write(json.dumps(batches[-1]) + "\n")
 
-    q = (spark.readStream.format("kafka-share").option("kafka.bootstrap.servers", args.bootstrap)
-         .option("kafka.group.id", args.group).option("subscribe", args.topic)
-         .option("numPartitions", args.partitions)
-         .options(**({"maxRecordsPerTrigger": args.max_per_trigger} if args.max_per_trigger else {}))
-         .options(**dict(o.split("=", 1) for o in args.option)).load()
-         .writeStream.foreachBatch(process).option("checkpointLocation", os.path.join(args.shared, "ck")))
-    q = (q.trigger(availableNow=True) if args.mode == "drain" else q.trigger(processingTime="1 second")).start()
+    def start_query():
+        w = (spark.readStream.format("kafka-share").option("kafka.bootstrap.servers", args.bootstrap)
+             .option("kafka.group.id", args.group).option("subscribe", args.topic)
+             .option("numPartitions", args.partitions)
+             .options(**({"maxRecordsPerTrigger": args.max_per_trigger} if args.max_per_trigger else {}))
+             .options(**dict(o.split("=", 1) for o in args.option)).load()
+             .writeStream.foreachBatch(process).option("checkpointLocation", os.path.join(args.shared, "ck")))
+        return (w.trigger(availableNow=True) if args.mode == "drain" else w.trigger(processingTime="1 second")).start()
+
+    queries = [start_query()]
 
     samples: list[dict] = []
     done = threading.Event()
@@ -105,7 +126,7 @@ def main(argv: list[str]) -> int:
     def sample():
         while not done.wait(0.5):
             try:
-                st = spark_share.status(q)
+                st = spark_share.status(queries[-1])
             except Exception as e:  # the query ended between two samples
                 samples.append({"error": str(e)[:200]})
                 continue
@@ -118,10 +139,21 @@ def main(argv: list[str]) -> int:
     ready = os.path.join(args.shared, "running")
     open(ready, "w").close()
     error = None
+    q = queries[0]
     try:
         if args.mode == "drain":
-            q.awaitTermination(600)
+            while True:
+                try:
+                    queries[-1].awaitTermination(600)
+                except Exception:  # the query failed: judged below
+                    pass
+                if queries[-1].exception() is None or args.crash_after_write is None or run["n"]:
+                    break
+                run["n"] += 1  # the crash after the write: a new run of the query, from its checkpoint
+                queries.append(start_query())
+            q = queries[-1]
         else:
+            q = queries[-1]
             stop = os.path.join(args.shared, "stop")
             while not os.path.exists(stop) and q.isActive:
                 q.awaitTermination(0.5)

@@ -67,7 +67,7 @@ def _written(shared: str) -> list[dict]:
     rows = []
     for f in glob.glob(os.path.join(shared, "out", "*.parquet")):
         try:
-            rows += pq.read_table(f, columns=["value", "batch", "deliveryCount"]).to_pylist()
+            rows += pq.read_table(f, columns=["value", "batch", "deliveryCount", "run"]).to_pylist()
         except FileNotFoundError:  # an aborted attempt's file, removed meanwhile
             continue
     return rows
@@ -118,6 +118,45 @@ def test_drain_on_three_hosts(cluster, kafka, tmp_path):
     # A re-read moves one slot (at most 1000 / 8 records here) through the driver, never a batch or more.
     assert per_read < 64 * 1024, relayed
     assert drain_share_group(kafka.bootstrap_servers, group, ["orders"], timeout=3) == []
+
+
+def test_a_task_retried_on_another_host_and_a_crash_after_the_write(cluster, kafka):
+    """Batch 1: the first attempt of its first action's task 0 fails, and Spark retries it on another
+    host (excludeOnFailure: one attempt per host); the retry reads the first attempt's rows (the
+    slot's records stay with the agent that acquired them). Batch 2: foreachBatch raises after its
+    write, so the sink has the rows and Spark's commit log does not; the query restarts from its
+    checkpoint, and every one of those records comes back (deliveryCount 2). Nothing is lost."""
+    w = Workload(kafka, "retry", partitions=4)
+    ids = w.produce(1200)
+    group = gid()
+    shared = os.path.join(cluster.shared, "retry")
+    app = _run_app(cluster, kafka, "drain", "retry", group, shared, "--partitions", "3", "--max-per-trigger", "300",
+                   "--fail-first-attempt", "1", "--crash-after-write", "2",
+                   "--conf", "spark.excludeOnFailure.enabled=true",
+                   "--conf", "spark.excludeOnFailure.task.maxTaskAttemptsPerExecutor=1",
+                   "--conf", "spark.excludeOnFailure.task.maxTaskAttemptsPerNode=1")
+    res = _result(app, shared, 600)
+    assert res["error"] is None, res["error"]
+    attempts = {}
+    for name in os.listdir(os.path.join(shared, "attempts")):
+        stage, part, attempt = name.split("-")
+        attempts[(stage, part, int(attempt))] = open(os.path.join(shared, "attempts", name)).read()
+    retried = {(stage, part): host for (stage, part, attempt), host in attempts.items() if attempt == 1}
+    assert retried, f"Spark retried no task: {attempts}"
+    for (stage, part), host in retried.items():
+        assert host != attempts[(stage, part, 0)], f"the retry ran on the failed attempt's host {host}"
+    rows = _written(shared)
+    crashed = [r for r in rows if r["run"] == 0 and r["batch"] == 2]
+    assert crashed, "batch 2 wrote nothing before it failed"
+    again = {i for i, r in zip(ids_of(rows), rows) if r["run"] == 1 and r["deliveryCount"] >= 2}
+    missing = set(ids_of(crashed)) - again
+    assert not missing, f"{len(missing)} records of the batch that failed after its write did not come back"
+    _counts_match_writes(res, [r for r in rows if not (r["run"] == 0 and r["batch"] == 2)])
+    report = check_no_loss(ids, ids_of(rows), duplicates_reason="batch 2 failed after its write; members joining "
+                           "while others held records (embedded broker)")
+    print(f"task retried on another host: {retried}; {len(crashed)} records written by the batch that failed, "
+          f"all back with deliveryCount >= 2 after the restart; {report.duplicates} delivered twice")
+    assert drain_share_group(kafka.bootstrap_servers, group, ["retry"], timeout=3) == []
 
 
 def test_speculative_reads_see_the_same_rows_and_acquire_nothing_extra(cluster, kafka):
