@@ -126,7 +126,7 @@ def measure(hosts: int, args) -> dict:
                     p.produce(name, key=str(i).encode(), value=b"x" * 100, partition=i % args.partitions)
                     p.poll(0)
             p.flush(60)
-            env = {"PYTHONPATH": ROOT}
+            env = {"PYTHONPATH": ROOT, "PYSPARK_PYTHON": sys.executable}  # the source runner imports pyarrow
             cfg = {"bootstrap": kafka.bootstrap_servers, "group": f"raw-{uuid.uuid4().hex[:6]}", "topic": "raw"}
             raws = [c.spawn(f"w{i}", [sys.executable, "-c", RAW, json.dumps(cfg)], env=env, log_name=f"raw-w{i}.log")
                     for i in range(1, hosts + 1)]
