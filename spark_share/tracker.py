@@ -113,7 +113,6 @@ class Tracker:
         self.commit_log: CommitLog | None = None  # Spark's commit log of the query, once the listener noted it
         self.batches: dict[int, BatchState] = {}
         self.agents: dict[str, wire.RpcConnection] = {}
-        self._unprefetched: BatchState | None = None  # planned before this host's agent joined
         self.query_id: str | None = None
         self._registry_path: str | None = None
         # Created before the watcher, whose thread asks it whether the stream is idle; the slots are
@@ -191,12 +190,10 @@ class Tracker:
         conn.info["agent_id"] = m.agent_id
         conn.info["host"] = m.host
         log.info("agent %s joined (pid %s on %s)", m.agent_id, m.pid, m.host)
-        with self._lock:
-            b, self._unprefetched = self._unprefetched, None
-        if b is not None and b.state == PLANNED and not b.claims:
-            self._prefetch(b)  # the agent polls once its sessions have joined
         # No client config here: credentials reach agents with the read task, never over this socket.
         latest = self._latest()
+        if latest is not None and latest.state == PLANNED and latest.slots and not latest.claims:
+            self._prefetch(latest)  # planned before this agent joined: it polls once its sessions have
         limit = self.policy.current_limit(latest)
         # The sessions an agent joins with. One host reads every slot. On a cluster each host's pool
         # grows with the slots its tasks read in a batch (a session serves one slot per batch), so
@@ -422,13 +419,12 @@ class Tracker:
         """On one host, ask its agent to start every poll of ``b`` now, while Spark writes its offsets
         and schedules the read tasks. On a cluster, nothing: Spark does not say where a batch's
         tasks will run (a Python source has no preferred locations), and records polled on a host
-        where no task of the batch lands would be held until a later batch reads there."""
+        where no task of the batch lands would be held until a later batch reads there. A batch
+        planned before the agent joined is sent when it joins (``_hello``)."""
         if not one_host():
             return
         with self._lock:
             conns = list(self.agents.values())
-            if not conns:  # the agent is still starting (it starts with the query): it polls when it joins
-                self._unprefetched = b
         if len(conns) == 1:  # one agent per query run on a host
             call_async(conns[0], Prefetch(b.batch, b.slots, self.slot_budgets(b)[0], self.opts.poll_timeout_ms))
 

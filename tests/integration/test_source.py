@@ -484,3 +484,37 @@ def test_secrets_never_leak(spark, kafka, tmp_path):
     blob = "\n".join(texts)
     assert "failing run" in blob  # the failing run's text is part of what was searched
     assert secret not in blob and key_secret not in blob
+
+
+def test_a_batch_planned_before_the_agent_joined_is_polled_when_it_joins(kafka, monkeypatch):
+    """Spark plans the first batch within milliseconds of the runner's start, before this host's agent
+    (started with the query) has joined: the tracker asks the agent for the batch's polls when it says
+    hello, rather than leaving them to the read tasks."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from spark_share.options import parse_options
+    from spark_share.protocol import Hello
+    from spark_share.tracker import Tracker
+
+    monkeypatch.delenv("SPARK_SHARE_MASTER", raising=False)  # local mode: one host
+    kafka.create_topic("early", 2)
+    t = Tracker(parse_options({"kafka.bootstrap.servers": kafka.bootstrap_servers, "kafka.group.id": gid(),
+                               "subscribe": "early", "numPartitions": "2"}))
+    sent: list[dict] = []
+
+    def call_async(req):
+        sent.append(req)
+        f = Future()
+        f.set_result(({"polling": 0}, b""))
+        return f
+
+    try:
+        b = t.plan(0, None)
+        assert b is not None and b.slots == 2
+        assert sent == [], "a prefetch went nowhere: no agent had joined"
+        t._hello(SimpleNamespace(info={}, call_async=call_async), Hello("a1", "vm", 1))
+        assert [(r["op"], r["batch"], r["count"]) for r in sent] == [("prefetch", 0, 2)]
+    finally:
+        t.agents.clear()
+        t.shutdown()
