@@ -94,16 +94,12 @@ def _result(proc, timeout: float) -> dict:
 
 def _steady(progress: list[dict]) -> tuple[int, float]:
     """(records, seconds) after the first batch with rows, from the progress events' own clocks."""
-    from datetime import datetime
-
-    def end(p) -> float:
-        started = datetime.fromisoformat(p["timestamp"].replace("Z", "+00:00")).timestamp()
-        return started + p["durationMs"].get("triggerExecution", 0) / 1000.0
+    from benchmark import _batch_end
 
     full = [p for p in progress if p["numInputRows"]]
     if len(full) < 2:
         return 0, 0.0
-    return sum(p["numInputRows"] for p in full[1:]), end(full[-1]) - end(full[0])
+    return sum(p["numInputRows"] for p in full[1:]), _batch_end(full[-1]) - _batch_end(full[0])
 
 
 def measure(hosts: int, args) -> dict:
