@@ -280,7 +280,9 @@ def share_run(spark, kafka, topic, slots, n, tmp, locks=None):
             "phases": phases,
             "cpu_by_process": cpu.by_kind, "steady_records": after_first,
             "steady_seconds": end - first[0], "steady_cpu": cpu.seconds - first[1],
-            "steady_cpu_by_process": {k: round(v - first[2].get(k, 0.0), 2) for k, v in cpu.by_kind.items()}}
+            "steady_cpu_by_process": {k: round(v - first[2].get(k, 0.0), 2) for k, v in cpu.by_kind.items()},
+            "steady_cpu_per_m_by_process": {k: (v - first[2].get(k, 0.0)) / max(after_first, 1) * 1e6
+                                            for k, v in cpu.by_kind.items()}}
 
 
 def startup_bench(spark, args, tmp, runs=5, records=100):
@@ -340,14 +342,15 @@ def floor_run(spark, batches, tasks, rows, tmp):
         first = None
         while not q.awaitTermination(0.1):
             if first is None and q.lastProgress:
-                first = (time.perf_counter(), cpu.seconds)
+                first = (time.perf_counter(), cpu.seconds, cpu.by_kind)
         end = time.perf_counter()
     records = sum(p["numInputRows"] for p in q.recentProgress)
-    first = first or (t0, 0.0)
+    first = first or (t0, 0.0, {})
     steady = records - tasks * rows
     return {"records": records, "rps": records / (end - t0), "steady_rps": steady / (end - first[0]),
             "cpu_per_m": cpu.seconds / records * 1e6, "steady_cpu_per_m": (cpu.seconds - first[1]) / steady * 1e6,
-            "cpu_by_process": {k: round(v, 2) for k, v in cpu.by_kind.items()}}
+            "cpu_by_process": {k: round(v, 2) for k, v in cpu.by_kind.items()},
+            "steady_cpu_per_m_by_process": {k: (v - first[2].get(k, 0.0)) / steady * 1e6 for k, v in cpu.by_kind.items()}}
 
 
 def decode_bench(n=300_000, repeats=5):
@@ -520,6 +523,7 @@ def main(argv=None):
                            "floor_rps": floor["rps"], "floor_steady_rps": floor["steady_rps"],
                            "floor_cpu_per_m": floor["cpu_per_m"], "floor_steady_cpu_per_m": floor["steady_cpu_per_m"],
                            "floor_cpu_by_process": floor["cpu_by_process"],
+                           "floor_steady_cpu_per_m_by_process": floor["steady_cpu_per_m_by_process"],
                            "share_rps": ours["records"] / ours["seconds"],
                            "share_busy_rps": ours["records"] / max(ours["busy_seconds"], 1e-9),
                            "raw_cpu_per_m": raw["cpu"] / raw["records"] * 1e6,
@@ -532,6 +536,7 @@ def main(argv=None):
                            "share_broker_cpu_per_m": ours["cpu_by_process"].get(BROKER, 0) / max(ours["records"], 1) * 1e6,
                            "cpu_by_process": {k: round(v, 2) for k, v in ours["cpu_by_process"].items()},
                            "steady_cpu_by_process": ours["steady_cpu_by_process"],
+                           "steady_cpu_per_m_by_process": ours["steady_cpu_per_m_by_process"],
                            "phases": ours["phases"]}
                     print(section, json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}),
                           flush=True)
@@ -583,6 +588,14 @@ def report(results, out):
               f"records after the first batch | {fc:,.1f} | | | |")
         print(f"| CPU s per million records above Spark's floor, after the first batch | {ss - fc:,.1f} | {rc:,.1f} "
               f"| {(ss - fc) / rc:.2f} | <= 1.0 |")
+        if all("steady_cpu_per_m_by_process" in r for r in t):
+            def by_process(key):
+                return ", ".join(f"{k} {statistics.median(r[key].get(k, 0.0) for r in t):.1f}" for k in OURS
+                                 if any(k in r[key] for r in t))
+            print(f"| CPU s per million records after the first batch, by process | {by_process('steady_cpu_per_m_by_process')}"
+                  f" | {rc:,.1f} (one process) | | |")
+            print(f"| (context) Spark's floor, the same, by process | {by_process('floor_steady_cpu_per_m_by_process')}"
+                  " | | | |")
         fr = statistics.median(r["floor_steady_rps"] for r in t)
         print(f"| (context) Spark's floor, records/s after the first batch | {fr:,.0f} | | | |")
         fr_s = statistics.median(r["first_row_s"] for r in t)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Sequence
+from itertools import chain
 
 import pyarrow as pa
 
@@ -79,7 +80,9 @@ def _convert(msgs: Sequence, n: int, schema: pa.Schema, include_headers: bool, t
     topic_names = [topic] if topic is not None else list(map(m.topic, msgs))
     parts = np.fromiter(map(m.partition, msgs), np.int32, n)
     offsets = np.fromiter(map(m.offset, msgs), np.int64, n)
-    ts_type, ts_ms = (np.array(x, np.int64) for x in zip(*map(m.timestamp, msgs)))
+    # (type, ms) per message, flattened by one C-level iterator: half the cost of transposing tuples
+    ts = np.fromiter(chain.from_iterable(map(m.timestamp, msgs)), np.int64, 2 * n).reshape(n, 2)
+    ts_type, ts_ms = ts[:, 0], ts[:, 1]
     no_ts = ts_type == 0  # librdkafka: 0 not available, 1 CreateTime, 2 LogAppendTime
     cols = [
         pa.array(list(map(m.key, msgs)), pa.binary()),
@@ -170,14 +173,23 @@ def warm_up() -> None:
     to_record_batch([_Warm()], include_headers=True)
 
 
-def to_ipc(batch: pa.RecordBatch) -> bytes:
-    sink = pa.BufferOutputStream()
+def to_ipc(batch: pa.RecordBatch) -> pa.Buffer:
+    """The batch as an Arrow IPC stream, written once into a buffer of its exact size (a growing
+    stream buffer copies it again at every doubling, and a copy to bytes once more)."""
+    size = pa.MockOutputStream()
+    _write_ipc(size, batch)
+    buf = pa.allocate_buffer(size.size())
+    _write_ipc(pa.FixedSizeBufferWriter(buf), batch)
+    return buf
+
+
+def _write_ipc(sink, batch: pa.RecordBatch) -> None:
     with pa.ipc.new_stream(sink, batch.schema) as w:
         if batch.num_rows:
             w.write_batch(batch)
-    return sink.getvalue().to_pybytes()
 
 
-def from_ipc(blob: bytes) -> list[pa.RecordBatch]:
+def from_ipc(blob) -> list[pa.RecordBatch]:
+    """The batches of an IPC stream in ``blob`` (any bytes-like object; its memory is used, not copied)."""
     reader = pa.ipc.open_stream(pa.py_buffer(blob))
     return [b for b in reader]

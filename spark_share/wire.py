@@ -31,6 +31,7 @@ import struct
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 from .errors import WIRE_ERRORS, AuthError, RemoteError, SparkShareError
 
@@ -46,6 +47,8 @@ _TAG = 32
 MAX_HEADER = 64 << 20
 MAX_BLOB = 4 << 30
 HANDSHAKE_TIMEOUT = 10.0
+# A frame's blob: bytes, the buffer it was received into, or a pyarrow Buffer (Arrow IPC), never copied.
+Blob = Any
 
 
 __all__ = ["AuthError", "RemoteError", "RpcConnection", "RpcServer", "connect", "new_secret"]
@@ -86,13 +89,13 @@ class FrameKey:
         self._seq += 1
         return self._seq - 1
 
-    def tag(self, seq: int, *parts: bytes) -> bytes:
+    def tag(self, seq: int, *parts: Blob) -> bytes:
         mac = hmac.new(self._key, _SEQ.pack(seq), hashlib.sha256)
         for part in parts:
             mac.update(part)
         return mac.digest()
 
-    def crypt(self, seq: int, part: int, data: bytes) -> bytes:
+    def crypt(self, seq: int, part: int, data: Blob) -> Blob:
         """Encrypt or decrypt (CTR is its own inverse) part ``part`` of frame ``seq``: each frame and
         part has its own counter range, so no key stream is used twice."""
         if self._aes is None or not data:
@@ -100,6 +103,8 @@ class FrameKey:
         from cryptography.hazmat.primitives.ciphers import Cipher, modes
 
         ctx = Cipher(self._aes, modes.CTR(_SEQ.pack(seq) + bytes([part]) + bytes(7))).encryptor()
+        if not isinstance(data, (bytes, bytearray)):  # the cipher takes no read-only buffer (a pyarrow Buffer)
+            data = bytes(data)
         return ctx.update(data) + ctx.finalize()
 
 
@@ -114,6 +119,11 @@ def _frame_keys(secret: str, server_nonce: bytes, client_nonce: bytes, we_are_se
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    return bytes(_recv_into_buffer(sock, n))
+
+
+def _recv_into_buffer(sock: socket.socket, n: int) -> bytearray:
+    """``n`` bytes, received into one buffer that is handed on as it is (a blob is megabytes)."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
@@ -122,7 +132,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
         if k == 0:
             raise ConnectionError("connection closed by peer")
         got += k
-    return bytes(buf)
+    return buf
 
 
 def server_handshake(sock: socket.socket, secret: str, encrypt: bool = False) -> FrameKeys:
@@ -169,7 +179,7 @@ class ForgedFrame(ConnectionError):
     or reordered on the way."""
 
 
-def send_frame(sock: socket.socket, header: dict, blob: bytes, key: FrameKey, lock: threading.Lock) -> None:
+def send_frame(sock: socket.socket, header: dict, blob: Blob, key: FrameKey, lock: threading.Lock) -> None:
     h = json.dumps(header, separators=(",", ":")).encode()
     prefix = _FRAME.pack(len(h), len(blob))
     with lock:  # frames are numbered: number, encrypt, tag and send in one order
@@ -184,13 +194,13 @@ def send_frame(sock: socket.socket, header: dict, blob: bytes, key: FrameKey, lo
             sock.sendall(prefix + h + tag)
 
 
-def recv_frame(sock: socket.socket, key: FrameKey) -> tuple[dict, bytes]:
+def recv_frame(sock: socket.socket, key: FrameKey) -> tuple[dict, Blob]:
     prefix = _recv_exact(sock, _FRAME.size)
     hl, bl = _FRAME.unpack(prefix)
     if hl > MAX_HEADER or bl > MAX_BLOB:
         raise ForgedFrame(f"oversized frame ({hl} + {bl} bytes)")
     h = _recv_exact(sock, hl)
-    blob = _recv_exact(sock, bl) if bl else b""
+    blob: Blob = _recv_into_buffer(sock, bl) if bl else b""
     seq = key.next_seq()
     if not hmac.compare_digest(_recv_exact(sock, _TAG), key.tag(seq, prefix, h, blob)):
         raise ForgedFrame("a frame failed authentication (forged, altered, replayed or reordered)")
@@ -201,7 +211,7 @@ def recv_frame(sock: socket.socket, key: FrameKey) -> tuple[dict, bytes]:
     return header, blob
 
 
-Handler = Callable[["RpcConnection", dict, bytes], tuple[dict, bytes]]
+Handler = Callable[["RpcConnection", dict, Blob], tuple[dict, Blob]]
 
 
 class RpcConnection:
@@ -235,7 +245,7 @@ class RpcConnection:
     def closed(self) -> bool:
         return self._closed.is_set()
 
-    def call_async(self, header: dict, blob: bytes = b"") -> Future:
+    def call_async(self, header: dict, blob: Blob = b"") -> Future:
         fut: Future = Future()
         with self._ids_lock:
             self._ids += 1
@@ -253,7 +263,7 @@ class RpcConnection:
             self.close()
         return fut
 
-    def call(self, header: dict, blob: bytes = b"", timeout: float | None = None) -> tuple[dict, bytes]:
+    def call(self, header: dict, blob: Blob = b"", timeout: float | None = None) -> tuple[dict, Blob]:
         return self.call_async(header, blob).result(timeout)
 
     def _read_loop(self) -> None:

@@ -36,6 +36,28 @@ def test_round_trip_with_blob(server):
     c.close()
 
 
+@pytest.mark.parametrize("encrypt", [False, True], ids=["tagged", "encrypted"])
+def test_arrow_record_blobs_cross_without_a_copy_to_bytes(encrypt):
+    """The agent hands read tasks its cached Arrow IPC buffer as it is (no copy to bytes); it must
+    cross plain and encrypted connections alike, and arrive as the same rows."""
+    import pyarrow as pa
+
+    from spark_share import records
+
+    rows = pa.RecordBatch.from_pylist([{"key": b"k%d" % i, "n": i} for i in range(5000)])
+    ipc = records.to_ipc(rows)
+    assert isinstance(ipc, pa.Buffer)
+    srv = wire.RpcServer(("127.0.0.1", 0), "s3cret-value", lambda conn, req, blob: ({}, ipc), name="arrow",
+                         encrypt=encrypt)
+    try:
+        c = wire.connect(srv.address, "s3cret-value")
+        _, blob = c.call({"op": "read"}, timeout=5)
+        assert records.from_ipc(blob)[0].equals(rows)
+        c.close()
+    finally:
+        srv.close()
+
+
 def test_wrong_or_missing_secret_is_refused_and_counted(server, caplog):
     caplog.set_level("WARNING", logger="spark_share.wire")
     srv, seen = server
