@@ -2,6 +2,10 @@
 a long-lived producer, the embedded broker's share-group membership (ctypes), and helpers to find
 (and kill) the processes a query runs on.
 
+``kafka`` here is the test's broker (tests/brokers.py): topic names come back from its
+``create_topic``, and every client is built from its ``client()`` (credentials of a cluster of yours
+included), never from ``bootstrap_servers`` alone.
+
 Nothing here sleeps to synchronise: ``wait_until`` polls a predicate with a deadline.
 """
 from __future__ import annotations
@@ -21,21 +25,22 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import psutil
+import pytest
 from confluent_kafka import AcknowledgeType, Producer, ShareConsumer
 
 
 class Workload:
     """Produces JSON records {"id": n, ...} with unique ids, keyed by id, round-robin over partitions.
+    ``topic`` is the real name: created here (its name as the broker gives it), or ``create=False``
+    for a topic the test created.
 
     The producer stays open for the workload's life: with the embedded broker, a client that
     disconnects ends every share session on that broker."""
 
     def __init__(self, kafka, topic: str, partitions: int = 2, create: bool = True):
-        self.topic = topic
+        self.topic = kafka.create_topic(topic, partitions) if create else topic
         self.partitions = partitions
-        if create:
-            kafka.create_topic(topic, partitions)
-        self.producer = Producer({"bootstrap.servers": kafka.bootstrap_servers, "linger.ms": 5,
+        self.producer = Producer({**kafka.client(), "linger.ms": 5,
                                   "log_level": 2})  # quiet after the broker is gone: callbacks may outlive tests
         self.ids: list[int] = []
         self._next = 0
@@ -125,11 +130,22 @@ class BatchCollector:
         return set(ids) <= set(self.ids)
 
 
-def drain_share_group(bootstrap: str, group: str, topics: list[str], timeout: float,
+def client_config(kafka) -> dict[str, str]:
+    """Client configs for ``kafka``: the test's broker, or a bootstrap address."""
+    return {"bootstrap.servers": kafka} if isinstance(kafka, str) else kafka.client()
+
+
+def kafka_options(kafka) -> dict[str, str]:
+    """The broker's client configs as the source's ``kafka.*`` options."""
+    return {f"kafka.{k}": v for k, v in client_config(kafka).items()}
+
+
+def drain_share_group(kafka, group: str, topics: list[str], timeout: float,
                       ack=AcknowledgeType.ACCEPT, until: int | None = None, **config) -> list:
     """Consume what a share group hands out within ``timeout`` s (or until ``until`` records);
-    ``config``: more consumer configs, dots as underscores (``max_poll_records=100``)."""
-    c = ShareConsumer({"bootstrap.servers": bootstrap, "group.id": group, "share.acknowledgement.mode": "explicit",
+    ``kafka``: the test's broker (or a bootstrap address); ``config``: more consumer configs, dots
+    as underscores (``max_poll_records=100``)."""
+    c = ShareConsumer({**client_config(kafka), "group.id": group, "share.acknowledgement.mode": "explicit",
                        **{k.replace("_", "."): str(v) for k, v in config.items()}})
     c.subscribe(topics)
     got = []
@@ -253,8 +269,8 @@ def registry(query_id: str) -> dict | None:
 
 
 def read_stream(spark, kafka, group: str, topics, **options):
-    r = (spark.readStream.format("kafka-share")
-         .option("kafka.bootstrap.servers", kafka.bootstrap_servers)
+    """``format("kafka-share")`` on the test's broker (its client configs as ``kafka.*`` options)."""
+    r = (spark.readStream.format("kafka-share").options(**kafka_options(kafka))
          .option("kafka.group.id", group)
          .option("subscribe", topics if isinstance(topics, str) else ",".join(topics)))
     for k, v in options.items():
@@ -315,10 +331,10 @@ class ProducerPool:
     def producer(self, kafka):
         from confluent_kafka import Producer
 
-        bootstrap = kafka if isinstance(kafka, str) else kafka.bootstrap_servers
-        p = self._producers.get(bootstrap)
+        config = client_config(kafka)
+        p = self._producers.get(config["bootstrap.servers"])
         if p is None:
-            p = self._producers[bootstrap] = Producer({"bootstrap.servers": bootstrap, "linger.ms": 2, "log_level": 2})
+            p = self._producers[config["bootstrap.servers"]] = Producer({**config, "linger.ms": 2, "log_level": 2})
         return p
 
     def produce(self, kafka, topic: str, values_or_count: int | Iterable, partitions: int | None = None,
@@ -371,6 +387,11 @@ class ShareGroups:
     _lib = None
 
     def __init__(self, kafka):
+        from spark_share.embedded import EmbeddedKafka
+
+        if not isinstance(kafka, EmbeddedKafka):
+            pytest.skip("needs the embedded broker's share-group membership (ctypes): not available on an "
+                        "external cluster")
         self.kafka = kafka
         if ShareGroups._lib is None:
             from spark_share.embedded import _find_librdkafka, _load

@@ -1,5 +1,7 @@
-"""Fixtures of the integration tests: one local Spark session (with kafka-share registered), a fresh
-embedded broker per test, and a long-lived producer of records with unique ids."""
+"""Fixtures of the integration tests: one local Spark session (with kafka-share registered), the Kafka
+of one test (a fresh embedded broker, or with SPARK_SHARE_TEST_BOOTSTRAP set, uniquely named topics
+and groups on a cluster of yours: tests/brokers.py), and a long-lived producer of records with unique
+ids. Tests marked ``embedded_only`` are skipped on an external cluster, before any fixture runs."""
 from __future__ import annotations
 
 import os
@@ -11,7 +13,33 @@ import pytest
 os.environ["PYSPARK_PYTHON"] = sys.executable
 os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
 
+from brokers import BrokerChoice, choose_broker  # noqa: E402
 from support import ProducerPool  # noqa: E402
+
+
+def _broker_choice() -> BrokerChoice:
+    try:
+        return choose_broker()
+    except ValueError as e:  # a malformed SPARK_SHARE_TEST_KAFKA_OPTIONS: stop before any test runs
+        raise pytest.UsageError(str(e)) from None
+
+
+def pytest_collection_modifyitems(config, items):
+    """On an external cluster, skip what needs the embedded broker, saying what it needs."""
+    if not _broker_choice().external:
+        return
+    for item in items:
+        marker = item.get_closest_marker("embedded_only")
+        if marker is not None:
+            reason = marker.args[0] if marker.args else marker.kwargs.get("reason", "the embedded broker")
+            item.add_marker(pytest.mark.skip(reason=f"embedded broker only: {reason}"))
+
+
+def pytest_collection_finish(session):
+    """One line before the tests run: which Kafka they run against (never a client option's value)."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(_broker_choice().describe())
 
 
 @pytest.fixture(scope="session")
@@ -35,12 +63,21 @@ def spark():
         session.stop()
 
 
-@pytest.fixture
-def kafka():
-    """A fresh embedded broker (librdkafka's mock cluster) for one test; destroyed after it."""
-    from spark_share.embedded import EmbeddedKafka
+@pytest.fixture(scope="session")
+def broker_choice():
+    """Which Kafka the tests run against; an external cluster must answer first (checked once: a
+    cluster that does not answer fails the first test that needs it within seconds, and every later
+    one at once)."""
+    choice = _broker_choice()
+    choice.check_reachable()
+    return choice
 
-    with EmbeddedKafka() as cluster:
+
+@pytest.fixture
+def kafka(broker_choice):
+    """The Kafka of one test: a fresh embedded broker (destroyed after it), or the external cluster
+    with this test's own topic and group names (its topics and groups deleted after it)."""
+    with broker_choice.open() as cluster:
         yield cluster
 
 

@@ -1,8 +1,10 @@
 """Drives a kafka-share reader the way Spark's source runner does, outside Spark, and holds one thread
 at a phase of batch 0's commit so that a test can send SIGTERM exactly there (test_replay.py).
 
-    python sigterm_harness.py BOOTSTRAP GROUP TOPIC PHASE QUERY_ID
+    python sigterm_harness.py GROUP TOPIC PHASE QUERY_ID
 
+Its first line on stdin is the Kafka client configuration as JSON (``bootstrap.servers`` and, for a
+cluster of yours, its security settings: on stdin, since a command line is visible to every user).
 It reads batch 0 (spawning this host's agent), prints ``READ <rows> <tracker id>``, waits for a line
 on stdin (the test produces more records meanwhile), then calls latestOffset(end of batch 0) as
 Spark does once batch 0 is in its commit log: that ACCEPTs batch 0 and plans batch 1, whose polls
@@ -16,6 +18,7 @@ Nothing here sleeps: the held thread waits on an event set when the stop begins.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -41,7 +44,8 @@ def say(*words) -> None:
 
 
 def main() -> None:
-    bootstrap, group, topic, phase, query_id = sys.argv[1:6]
+    group, topic, phase, query_id = sys.argv[1:5]
+    client = json.loads(sys.stdin.readline())
     stop_begun = threading.Event()
 
     def hold(name: str) -> None:
@@ -55,7 +59,7 @@ def main() -> None:
         return shutdown(self)
 
     Tracker.shutdown = shutdown_and_say
-    reader = ShareStreamReader(parse_options({"kafka.bootstrap.servers": bootstrap, "kafka.group.id": group,
+    reader = ShareStreamReader(parse_options({**{f"kafka.{k}": v for k, v in client.items()}, "kafka.group.id": group,
                                               "subscribe": topic, "pollTimeoutMs": "5000"}))
     try:  # as the runner: stop() when the main thread leaves, however it leaves
         start = reader.initialOffset()

@@ -12,13 +12,12 @@ from spark_share.agent import _connect_tracker
 from spark_share.errors import OptionError, SourceError
 from spark_share.options import parse_options
 from spark_share.tracker import Tracker
-from support import gid, uid
+from support import gid, kafka_options, uid
 
 
 def _tracker(kafka, **options) -> Tracker:
-    topic = uid("addr")
-    kafka.create_topic(topic, 1)
-    return Tracker(parse_options({"kafka.bootstrap.servers": kafka.bootstrap_servers, "kafka.group.id": gid(),
+    topic = kafka.create_topic(uid("addr"), 1)
+    return Tracker(parse_options({**kafka_options(kafka), "kafka.group.id": kafka.group(gid()),
                                   "subscribe": topic, **options}))
 
 

@@ -11,7 +11,7 @@ def test_idle_probes_leave_nothing_behind_in_the_agent_or_the_log(spark, kafka, 
     w = Workload(kafka, "idle", partitions=2)
     w.produce(50)
     collector = BatchCollector()
-    q = (read_stream(spark, kafka, gid(), "idle", numPartitions=2, idleProbeIntervalMs=100)
+    q = (read_stream(spark, kafka, kafka.group(gid()), w.topic, numPartitions=2, idleProbeIntervalMs=100)
          .writeStream.foreachBatch(collector).queryName(uid("idle"))
          .option("checkpointLocation", str(tmp_path / "ck")).start())
     try:

@@ -1,9 +1,13 @@
 """Batches fill the lock budget: partitions x the records each partition may have in flight."""
 from __future__ import annotations
 
+import pytest
+
 from support import Workload, check_no_loss, gid, id_col, run_available_now, source_progress, tracker_log
 
 
+@pytest.mark.embedded_only("sets the partition's record-lock limit per test (group.share.partition.max.record.locks "
+                           "is a broker config on Kafka 4.2)")
 def test_a_backlog_fills_the_lock_budget(spark, kafka, tmp_path):
     """8 partitions x 4,000 locks: two consumers may hold 32,000 records, more than the 10,000 a
     poll took before polls were sized from the budget. Once the group has settled, a batch of the
@@ -27,7 +31,7 @@ def test_a_backlog_fills_the_lock_budget(spark, kafka, tmp_path):
         sizes[batch_id] = len(ids)
         seen.extend(ids)
 
-    q = run_available_now(spark, kafka, gid(), "budget", count, str(tmp_path / "ck"),
+    q = run_available_now(spark, kafka, kafka.group(gid()), w.topic, count, str(tmp_path / "ck"),
                           numPartitions=2, maxRecordLocks=locks)
     assert q.exception() is None
     assert source_progress(q)["lockBudget"] == locks * partitions
@@ -38,13 +42,15 @@ def test_a_backlog_fills_the_lock_budget(spark, kafka, tmp_path):
     check_no_loss(w.ids, seen)
 
 
+@pytest.mark.embedded_only("asserts the fallback for a broker that does not answer DescribeConfigs, as only the "
+                           "embedded broker does not")
 def test_without_the_option_the_budget_is_kafkas_default_when_the_broker_does_not_say(spark, kafka, tmp_path):
     """The embedded broker does not implement DescribeConfigs: the source falls back to Kafka's
     default of 2,000 per partition and says so."""
     w = Workload(kafka, "budget-default", partitions=3)
     w.produce(300)
     seen: list[int] = []
-    q = run_available_now(spark, kafka, gid(), "budget-default",
+    q = run_available_now(spark, kafka, kafka.group(gid()), w.topic,
                           lambda df, _b: seen.extend(r[0] for r in df.select(id_col()).collect()),
                           str(tmp_path / "ck"))
     assert q.exception() is None

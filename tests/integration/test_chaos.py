@@ -15,6 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.mark.slow
+@pytest.mark.embedded_only("jobs/chaos.py runs its own embedded broker, and stops and starts it")
 def test_three_minutes_of_overlapping_faults_lose_nothing_and_grow_nothing(tmp_path):
     seed = os.environ.get("SPARK_SHARE_CHAOS_SEED", "1")
     out = tmp_path / "chaos"

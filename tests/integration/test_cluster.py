@@ -21,7 +21,9 @@ import pytest
 from cluster import NamespaceCluster
 from support import Workload, check_no_loss, drain_share_group, gid, ids_of, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow,
+              pytest.mark.embedded_only("the namespace hosts reach the embedded broker in the test process "
+                                        "through socat relays")]
 
 APP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cluster_app.py")
 WORKERS = 3

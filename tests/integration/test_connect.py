@@ -22,7 +22,7 @@ import pytest
 
 import spark_share
 from spark_share.errors import VerdictError
-from support import Workload, check_no_loss, drain_share_group, gid, ids_of, summary_count, wait_until
+from support import Workload, check_no_loss, drain_share_group, gid, ids_of, kafka_options, summary_count, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -90,7 +90,7 @@ def remote(connect_url):
 
 
 def _read(remote, kafka, group, topic, **options):
-    r = (remote.readStream.format("kafka-share").option("kafka.bootstrap.servers", kafka.bootstrap_servers)
+    r = (remote.readStream.format("kafka-share").options(**kafka_options(kafka))
          .option("kafka.group.id", group).option("subscribe", topic))
     for k, v in options.items():
         r = r.option(k, str(v))
@@ -134,8 +134,8 @@ def test_verdicts_in_foreach_batch_on_the_server(remote, kafka, tmp_path):
         with open(os.path.join(seen, f"{batch_id}.json"), "w") as f:
             f.write(json.dumps({"batch": batch_id, "rows": rows.count(), "session": batch.sparkSession.session_id}))
 
-    group = gid()
-    q = (_read(remote, kafka, group, "orders", deadLetterPath=dlq).writeStream.foreachBatch(process)
+    group = kafka.group(gid())
+    q = (_read(remote, kafka, group, w.topic, deadLetterPath=dlq).writeStream.foreachBatch(process)
          .option("checkpointLocation", str(tmp_path / "ck")).trigger(availableNow=True).start())
     assert q.awaitTermination(180), "AvailableNow did not end under Spark Connect"
     assert q.exception() is None, q.exception()
@@ -148,7 +148,7 @@ def test_verdicts_in_foreach_batch_on_the_server(remote, kafka, tmp_path):
     batches = _json_lines(seen)
     assert sum(b["rows"] for b in batches) == 400 + 40, "each id%10=1 record is read twice (released once)"
     assert len({b["session"] for b in batches}) == 1, "one Connect session per query run"
-    assert drain_share_group(kafka.bootstrap_servers, group, ["orders"], timeout=3) == [], "records left behind"
+    assert drain_share_group(kafka, group, [w.topic], timeout=3) == [], "records left behind"
 
 
 def test_prompt_acknowledgement_and_status_from_the_client(remote, kafka, tmp_path, monkeypatch):
@@ -167,7 +167,7 @@ def test_prompt_acknowledgement_and_status_from_the_client(remote, kafka, tmp_pa
         with open(os.path.join(marks, f"{batch_id}.json"), "w") as f:
             f.write(json.dumps({"batch": batch_id, "done": _time.time()}))
 
-    q = (_read(remote, kafka, gid(), "slow").writeStream.foreachBatch(process)
+    q = (_read(remote, kafka, kafka.group(gid()), w.topic).writeStream.foreachBatch(process)
          .option("checkpointLocation", str(tmp_path / "ck")).trigger(processingTime="60 seconds").start())
     try:
         first = wait_until(lambda: [m for m in _json_lines(marks) if m["batch"] == 0], timeout=90,
@@ -208,7 +208,7 @@ def test_default_trigger_into_a_file_sink_and_status_needs_progress(remote, kafk
     w = Workload(kafka, "plain", partitions=2)
     ids = w.produce(200)
     out = str(tmp_path / "out")
-    q = (_read(remote, kafka, gid(), "plain").writeStream.format("parquet").option("path", out)
+    q = (_read(remote, kafka, kafka.group(gid()), w.topic).writeStream.format("parquet").option("path", out)
          .option("checkpointLocation", str(tmp_path / "ck")).start())
 
     def committed_ids() -> list[int]:  # the files of committed batches, from the sink's own log
@@ -245,8 +245,9 @@ def test_bad_verdicts_are_the_classic_errors(remote, kafka, tmp_path):
 
     w = Workload(kafka, "bad", partitions=1)
     w.produce(10)
+    topic = w.topic
     with pytest.raises(VerdictError, match="inside foreachBatch"):
-        spark_share.reject([Row(topic="bad", partition=0, offset=1)])
+        spark_share.reject([Row(topic=topic, partition=0, offset=1)])
     errs = str(tmp_path / "errs")
 
     def process(batch, batch_id):
@@ -260,8 +261,8 @@ def test_bad_verdicts_are_the_classic_errors(remote, kafka, tmp_path):
         found = {}
         for name, call in {
             "columns": lambda: spark_share.reject(batch.select("value")),
-            "foreign": lambda: spark_share.reject([Row(topic="bad", partition=0, offset=999),
-                                                   Row(topic="bad", partition=0, offset=0)]),
+            "foreign": lambda: spark_share.reject([Row(topic=topic, partition=0, offset=999),
+                                                   Row(topic=topic, partition=0, offset=0)]),
             "both": lambda: (spark_share.reject(batch.where("offset = 1")),
                              spark_share.release(batch.where("offset = 1"))),
         }.items():
@@ -274,7 +275,7 @@ def test_bad_verdicts_are_the_classic_errors(remote, kafka, tmp_path):
         with open(os.path.join(errs, f"{batch_id}.json"), "w") as f:
             f.write(json.dumps(found))
 
-    q = (_read(remote, kafka, gid(), "bad").writeStream.foreachBatch(process)
+    q = (_read(remote, kafka, kafka.group(gid()), topic).writeStream.foreachBatch(process)
          .option("checkpointLocation", str(tmp_path / "ck")).trigger(availableNow=True).start())
     assert q.awaitTermination(180)
     assert q.exception() is None
@@ -311,13 +312,13 @@ def test_failure_stop_and_restart_lose_nothing(remote, kafka, tmp_path):
     from the checkpoint goes on; a stop mid-batch releases what the batch held."""
     w = Workload(kafka, "jobs", partitions=2)
     ids = w.produce(300)
-    out, marks, group, ck = str(tmp_path / "out"), str(tmp_path / "marks"), gid(), str(tmp_path / "ck")
+    out, marks, group, ck = str(tmp_path / "out"), str(tmp_path / "marks"), kafka.group(gid()), str(tmp_path / "ck")
 
     def failing(batch, batch_id):
         batch.write.mode("append").parquet(out)
         raise RuntimeError("injected failure after the sink write")
 
-    q = (_read(remote, kafka, group, "jobs", maxRecordsPerTrigger=100).writeStream.foreachBatch(failing)
+    q = (_read(remote, kafka, group, w.topic, maxRecordsPerTrigger=100).writeStream.foreachBatch(failing)
          .option("checkpointLocation", ck).start())
     with pytest.raises(Exception, match="injected failure"):
         q.awaitTermination(180)
@@ -333,14 +334,14 @@ def test_failure_stop_and_restart_lose_nothing(remote, kafka, tmp_path):
         if batch_id == 2:
             _time.sleep(600)  # the test stops the query in here
 
-    q = (_read(remote, kafka, group, "jobs", maxRecordsPerTrigger=100).writeStream.foreachBatch(slow)
+    q = (_read(remote, kafka, group, w.topic, maxRecordsPerTrigger=100).writeStream.foreachBatch(slow)
          .option("checkpointLocation", ck).start())
     wait_until(lambda: any(m["batch"] == 2 for m in _json_lines(marks)), timeout=120,
                message="the restarted query never reached batch 2")
     q.stop()
     assert not q.isActive
 
-    q = (_read(remote, kafka, group, "jobs").writeStream
+    q = (_read(remote, kafka, group, w.topic).writeStream
          .foreachBatch(lambda batch, batch_id: batch.write.mode("append").parquet(out))
          .option("checkpointLocation", ck).trigger(availableNow=True).start())
     assert q.awaitTermination(180)
@@ -349,6 +350,7 @@ def test_failure_stop_and_restart_lose_nothing(remote, kafka, tmp_path):
     assert report.duplicates >= len(first), "the failed batch's rows were not delivered again"
 
 
+@pytest.mark.embedded_only("the job runs the embedded demo")
 def test_the_job_runs_against_a_connect_server(connect_url, tmp_path):
     """jobs/queue_to_table.py against a Connect server: the scheduled job as a Spark Connect client (its foreachBatch
     runs on the server, so its summary is counted from the progress and the tables)."""
@@ -412,9 +414,8 @@ def test_verdicts_find_their_batch_by_connect_session(kafka):
     from spark_share.protocol import Acquired, Claim, Verdicts
     from spark_share.tracker import Tracker
 
-    kafka.create_topic("by-session", 1)
-    t = Tracker(parse_options({"kafka.bootstrap.servers": kafka.bootstrap_servers, "kafka.group.id": gid(),
-                               "subscribe": "by-session"}))
+    topic = kafka.create_topic("by-session", 1)
+    t = Tracker(parse_options({**kafka_options(kafka), "kafka.group.id": kafka.group(gid()), "subscribe": topic}))
     conn = SimpleNamespace(info={"agent_id": "a1"})
     done = Future()
     done.set_result(({"queued": 0}, b""))
@@ -424,14 +425,14 @@ def test_verdicts_find_their_batch_by_connect_session(kafka):
         for n in (0, 1):
             t.plan(n, None)
             assert t._claim(conn, Claim(n, 0, connect_session=mine)) == {"owner": "a1"}
-            t._acquired(conn, Acquired(n, 0, rows=5, offsets={"by-session": {"0": [[n * 5, n * 5 + 4]]}}))
-        assert t._verdicts(conn, Verdicts(None, "reject", [["by-session", 0, 7]], "bad", connect_session=other)) \
+            t._acquired(conn, Acquired(n, 0, rows=5, offsets={topic: {"0": [[n * 5, n * 5 + 4]]}}))
+        assert t._verdicts(conn, Verdicts(None, "reject", [[topic, 0, 7]], "bad", connect_session=other)) \
             == {"match": False}
-        rep = t._verdicts(conn, Verdicts(None, "reject", [["by-session", 0, 7]], "bad", connect_session=mine))
+        rep = t._verdicts(conn, Verdicts(None, "reject", [[topic, 0, 7]], "bad", connect_session=mine))
         assert rep["match"] and rep["records"] == 1
-        assert t.batches[1].verdicts == {("by-session", 0, 7): (REJECT, "bad")} and not t.batches[0].verdicts
+        assert t.batches[1].verdicts == {(topic, 0, 7): (REJECT, "bad")} and not t.batches[0].verdicts
         with pytest.raises(ValueError, match="not from batch"):  # batch 0's offset, in batch 1's session
-            t._verdicts(conn, Verdicts(None, "release", [["by-session", 0, 2]], connect_session=mine))
+            t._verdicts(conn, Verdicts(None, "release", [[topic, 0, 2]], connect_session=mine))
     finally:
         t.agents.clear()
         t.shutdown()

@@ -26,6 +26,8 @@ from support import ShareGroups, wait_until
 ERR_NOT_LEADER_OR_FOLLOWER = 6
 ERR_INVALID_RECORD_STATE = 121
 ACCEPT, RELEASE, REJECT = AcknowledgeType.ACCEPT, AcknowledgeType.RELEASE, AcknowledgeType.REJECT
+pytestmark = pytest.mark.embedded_only("tests of the embedded broker itself (EmbeddedKafka, its quirks, its "
+                                       "error injection) and of its CLI")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

@@ -1,7 +1,8 @@
 """The fault matrix (README, "Guarantees and failure modes"): each row injects one fault and checks
 that nothing is lost.
 
-Rows 1-12 and the verdict rows run a query against the embedded broker and print "no-loss: produced
+Rows 1-12 and the verdict rows run a query against the embedded broker (or a cluster of yours, where
+the rows that inject broker faults are skipped) and print "no-loss: produced
 N / delivered N / duplicates N / lost 0", saying which fault explains the duplicates. Rows 13-17 are
 the replay, zombie-read and stop-race rows: a batch id that cannot be served with its first rows
 acquires nothing, and SIGTERM at any phase ACCEPTs what Spark committed and RELEASEs the rest. The
@@ -28,8 +29,8 @@ from chispa import assert_df_equality
 from pyspark.sql import functions as F
 
 import spark_share
+from brokers import EmbeddedBroker
 from spark_share.batches import ACCEPT, REJECT
-from spark_share.embedded import EmbeddedKafka
 from spark_share.errors import BatchRefused
 from spark_share.options import parse_options
 from spark_share.protocol import Acquired, Claim
@@ -45,6 +46,7 @@ from support import (
     gid,
     id_col,
     ids_of,
+    kafka_options,
     kill,
     python_workers,
     read_stream,
@@ -86,10 +88,11 @@ class StubAgent(SimpleNamespace):
         return True
 
 
-def tracker(kafka, topic, **options) -> Tracker:
-    kafka.create_topic(topic, 2)
-    return Tracker(parse_options({"kafka.bootstrap.servers": kafka.bootstrap_servers, "kafka.group.id": gid(),
-                                  "subscribe": topic, **options}))
+def tracker(kafka, topic, **options) -> tuple[Tracker, str]:
+    """A tracker on a new two-partition topic, and the topic's real name."""
+    topic = kafka.create_topic(topic, 2)
+    return Tracker(parse_options({**kafka_options(kafka), "kafka.group.id": kafka.group(gid()),
+                                  "subscribe": topic, **options})), topic
 
 
 def acquired(t: Tracker, agent, batch: int, slot: int, topic: str, partition: int, first: int, last: int) -> None:
@@ -138,14 +141,14 @@ def test_row1_crash_after_sink_write_redelivers_the_batch(spark, kafka, tmp_path
     """Invariant 1: nothing is ACCEPTed before the batch is in the commit log."""
     w = Workload(kafka, "payments", partitions=2)
     w.produce(300)
-    group, ck = uid("g"), str(tmp_path / "ck")
+    group, ck = kafka.group(uid("g")), str(tmp_path / "ck")
     out = str(tmp_path / "out")
 
     def write_then_crash(df, batch_id):
         df.write.mode("append").parquet(out)
         raise RuntimeError("crash after the sink wrote, before the commit")
 
-    q = (read_stream(spark, kafka, group, "payments").writeStream.foreachBatch(write_then_crash)
+    q = (read_stream(spark, kafka, group, w.topic).writeStream.foreachBatch(write_then_crash)
          .option("checkpointLocation", ck).start())
     with pytest.raises(Exception, match="crash after the sink wrote"):
         q.awaitTermination(120)
@@ -155,7 +158,7 @@ def test_row1_crash_after_sink_write_redelivers_the_batch(spark, kafka, tmp_path
 
     # Restart from the checkpoint: batch 0 is replayed and every record of it comes back.
     collector = BatchCollector()
-    q = (read_stream(spark, kafka, group, "payments").writeStream.foreachBatch(collector)
+    q = (read_stream(spark, kafka, group, w.topic).writeStream.foreachBatch(collector)
          .option("checkpointLocation", ck).trigger(availableNow=True).start())
     assert q.awaitTermination(120)
     assert q.exception() is None
@@ -172,14 +175,14 @@ def test_row2_stop_mid_batch_releases_at_once_and_leaves_nothing_running(spark, 
     kafka.set_record_lock_duration(60_000)  # only a release, not lock expiry, can hand them out in time
     w = Workload(kafka, "jobs", partitions=2)
     w.produce(200)
-    group, ck, out = uid("g"), str(tmp_path / "ck"), str(tmp_path / "out")
+    group, ck, out = kafka.group(uid("g")), str(tmp_path / "ck"), str(tmp_path / "out")
 
     @F.udf("long")
     def slow(offset):
         time.sleep(0.05)
         return offset
 
-    df = read_stream(spark, kafka, group, "jobs")
+    df = read_stream(spark, kafka, group, w.topic)
     q = (df.withColumn("o2", slow("offset")).writeStream.format("parquet").option("path", out)
          .option("checkpointLocation", ck).start())
     wait_until(lambda: q.isActive and spark_share.status(q)["inflightRecords"] > 0
@@ -198,7 +201,7 @@ def test_row2_stop_mid_batch_releases_at_once_and_leaves_nothing_running(spark, 
                message="a connection to the stopped query's tracker was left open")
     # Another member of the group gets the records well before the 60 s lock would expire. (It must
     # join after the query's consumers left: the embedded broker gives a partition to one member.)
-    got = drain_share_group(kafka.bootstrap_servers, group, ["jobs"], timeout=20, until=200,
+    got = drain_share_group(kafka, group, [w.topic], timeout=20, until=200,
                             ack=__import__("confluent_kafka").AcknowledgeType.RELEASE)
     assert len({(t, p, o) for t, p, o, _, _ in got}) >= held, f"only {len(got)} of {held} records released in time"
     assert time.monotonic() - t0 < 40
@@ -207,7 +210,7 @@ def test_row2_stop_mid_batch_releases_at_once_and_leaves_nothing_running(spark, 
 
     # Restart: replays the uncommitted batch and then drains the rest.
     kafka.set_record_lock_duration(30_000)
-    q = (read_stream(spark, kafka, group, "jobs").writeStream.format("parquet").option("path", out)
+    q = (read_stream(spark, kafka, group, w.topic).writeStream.format("parquet").option("path", out)
          .option("checkpointLocation", ck).trigger(availableNow=True).start())
     assert q.awaitTermination(120)
     assert q.exception() is None
@@ -220,7 +223,7 @@ def test_row3_driver_side_killed_holding_records(spark, kafka, tmp_path):
     agents see their tracker vanish, release everything and exit; a restart recovers all."""
     w = Workload(kafka, "r3", partitions=2)
     w.produce(200)
-    group, ck = gid(), str(tmp_path / "ck")
+    group, ck = kafka.group(gid()), str(tmp_path / "ck")
     state = {}
 
     def kill_runner(df, batch_id):
@@ -231,7 +234,7 @@ def test_row3_driver_side_killed_holding_records(spark, kafka, tmp_path):
         assert runner in {p.pid for p in runner_processes()}
         state["killed"] = kill([psutil.Process(runner)])
 
-    q = (read_stream(spark, kafka, group, "r3").writeStream.foreachBatch(kill_runner)
+    q = (read_stream(spark, kafka, group, w.topic).writeStream.foreachBatch(kill_runner)
          .option("checkpointLocation", ck).start())
     with pytest.raises(Exception):
         q.awaitTermination(120)
@@ -239,7 +242,7 @@ def test_row3_driver_side_killed_holding_records(spark, kafka, tmp_path):
     wait_until(lambda: not (state["agents"] & {p.pid for p in agent_processes()}), timeout=30,
                message="agents outlived their tracker")
     collector = BatchCollector()
-    q = run_available_now(spark, kafka, group, "r3", collector, ck)
+    q = run_available_now(spark, kafka, group, w.topic, collector, ck)
     assert q.exception() is None
     check_no_loss(w.ids, collector.ids)
 
@@ -249,7 +252,7 @@ def test_row4_python_worker_killed_while_read_waits(spark, kafka, tmp_path):
     in a new worker, which gets the same poll's result from the agent."""
     w = Workload(kafka, "r4", partitions=1)
     collector = BatchCollector()
-    q = (read_stream(spark, kafka, gid(), "r4", pollTimeoutMs=8000).writeStream.foreachBatch(collector)
+    q = (read_stream(spark, kafka, kafka.group(gid()), w.topic, pollTimeoutMs=8000).writeStream.foreachBatch(collector)
          .option("checkpointLocation", str(tmp_path / "ck")).start())
 
     def polling():
@@ -285,7 +288,8 @@ def test_row5_agent_killed_while_holding_records(spark, kafka, tmp_path):
             killed.append(kill(batch_agents(df)))
 
     collector = BatchCollector(after=kill_agent)
-    q = (read_stream(spark, kafka, gid(), "r5", idleProbeIntervalMs=1000).writeStream.foreachBatch(collector)
+    q = (read_stream(spark, kafka, kafka.group(gid()), w.topic, idleProbeIntervalMs=1000).writeStream
+         .foreachBatch(collector)
          .option("checkpointLocation", str(tmp_path / "ck")).start())
     try:
         wait_until(lambda: collector.has_all(w.ids) and 0 in collector.batches
@@ -332,7 +336,7 @@ def test_row6_two_actions_and_a_task_retry_see_the_same_rows(spark, kafka, tmp_p
         counts[batch_id] = (n, len(rows), len({(r["partition"], r["offset"]) for r in rows}))
         delivered.extend(ids_of(rows))
 
-    df = read_stream(spark, kafka, uid("g"), "events")
+    df = read_stream(spark, kafka, kafka.group(uid("g")), w.topic)
     df = df.mapInArrow(fail_first_attempt, df.schema)
     q = (df.writeStream.foreachBatch(two_actions).option("checkpointLocation", str(tmp_path / "ck"))
          .trigger(availableNow=True).start())
@@ -358,9 +362,10 @@ def test_row6_two_actions_and_a_task_retry_see_the_same_rows(spark, kafka, tmp_p
     assert check_no_loss(w.ids, delivered).duplicates == 0
 
 
+@pytest.mark.embedded_only("injects ShareFetch errors and moves a partition's leader")
 @pytest.mark.parametrize("inject", ["retriable", "fatal", "leader_move"])
 def test_row7_share_fetch_errors(spark, tmp_path, inject):
-    with EmbeddedKafka(brokers=2) as kafka:
+    with EmbeddedBroker(brokers=2) as kafka:
         w = Workload(kafka, "r7", partitions=2)
         w.produce(300)
         kafka.track_requests()
@@ -373,12 +378,12 @@ def test_row7_share_fetch_errors(spark, tmp_path, inject):
         def process(df, batch_id):
             collector(df, batch_id)
             if inject == "leader_move" and not moved:
-                kafka.move_leader("r7", 0, 2)
+                kafka.move_leader(w.topic, 0, 2)
                 moved.append(True)
                 w.produce(100)
 
         collector = BatchCollector()
-        q = run_available_now(spark, kafka, gid(), "r7", process, str(tmp_path / "ck"))
+        q = run_available_now(spark, kafka, kafka.group(gid()), w.topic, process, str(tmp_path / "ck"))
         assert q.exception() is None
         if inject == "leader_move":
             assert moved == [True]
@@ -387,6 +392,7 @@ def test_row7_share_fetch_errors(spark, tmp_path, inject):
         check_no_loss(w.ids, collector.ids, duplicates_reason="share sessions reset by the injected fault")
 
 
+@pytest.mark.embedded_only("injects ShareAcknowledge errors")
 def test_row8_share_acknowledge_errors(spark, kafka, tmp_path):
     """The acknowledgement of batch 0 fails: the records come back, the failure is counted and
     logged with its error code, nothing is lost."""
@@ -398,7 +404,7 @@ def test_row8_share_acknowledge_errors(spark, kafka, tmp_path):
             kafka.push_request_errors("ShareAcknowledge", [29])
 
     collector = BatchCollector(after=fail_the_ack)
-    q = run_available_now(spark, kafka, gid(), "r8", collector, str(tmp_path / "ck"))
+    q = run_available_now(spark, kafka, kafka.group(gid()), w.topic, collector, str(tmp_path / "ck"))
     assert q.exception() is None
     report = check_no_loss(w.ids, collector.ids, duplicates_reason="batch 0 came back after its ack failed")
     assert report.duplicates == 100
@@ -408,6 +414,7 @@ def test_row8_share_acknowledge_errors(spark, kafka, tmp_path):
     assert "'TOPIC_AUTHORIZATION_FAILED(29)': 100" in tracker_log(q)
 
 
+@pytest.mark.embedded_only("takes the broker down and up")
 def test_row9_broker_down_while_records_are_acquired(spark, kafka, tmp_path):
     w = Workload(kafka, "r9", partitions=2)
     w.produce(200)
@@ -421,7 +428,8 @@ def test_row9_broker_down_while_records_are_acquired(spark, kafka, tmp_path):
             timers.append(t)
 
     collector = BatchCollector(after=outage)
-    q = run_available_now(spark, kafka, gid(), "r9", collector, str(tmp_path / "ck"), ackTimeoutMs=10000)
+    q = run_available_now(spark, kafka, kafka.group(gid()), w.topic, collector, str(tmp_path / "ck"),
+                          ackTimeoutMs=10000)
     for t in timers:
         t.join()
     assert q.exception() is None
@@ -446,7 +454,7 @@ def test_row10_batch_outlives_the_lock_and_batches_shrink(spark, kafka, tmp_path
         collector.rows.extend(rows)
 
     collector = BatchCollector()
-    q = run_available_now(spark, kafka, gid(), "r10", slow, str(tmp_path / "ck"))
+    q = run_available_now(spark, kafka, kafka.group(gid()), w.topic, slow, str(tmp_path / "ck"))
     assert q.exception() is None
     sizes = [len(collector.batches[b]) for b in sorted(collector.batches)]
     p = source_progress(q)
@@ -474,7 +482,7 @@ def test_row11_reexecution_with_persist(spark, kafka, tmp_path):
         df.unpersist()
 
     collector = BatchCollector()
-    q = run_available_now(spark, kafka, gid(), "r11", twice, str(tmp_path / "ck"))
+    q = run_available_now(spark, kafka, kafka.group(gid()), w.topic, twice, str(tmp_path / "ck"))
     assert q.exception() is None
     assert all(a == b for a, b in counts)
     assert check_no_loss(w.ids, collector.ids).duplicates == 0
@@ -491,9 +499,9 @@ def test_row12_one_query_fails_the_other_is_unaffected(spark, kafka, tmp_path):
             raise RuntimeError("query A fails")
 
     ca = BatchCollector()
-    qa = (read_stream(spark, kafka, gid(), "r12a").writeStream.foreachBatch(failing)
+    qa = (read_stream(spark, kafka, kafka.group(gid()), wa.topic).writeStream.foreachBatch(failing)
           .option("checkpointLocation", str(tmp_path / "cka")).start())
-    qb = (read_stream(spark, kafka, gid(), "r12b").writeStream.foreachBatch(ca)
+    qb = (read_stream(spark, kafka, kafka.group(gid()), wb.topic).writeStream.foreachBatch(ca)
           .option("checkpointLocation", str(tmp_path / "ckb")).start())
     try:
         with pytest.raises(Exception, match="query A fails"):
@@ -522,8 +530,8 @@ def test_verdicts_reject_release_and_accept(spark, kafka, tmp_path):
         spark_share.reject(df.where("id % 10 = 0"), reason="id ends in 0")
         spark_share.release(df.where("id % 10 = 1 AND deliveryCount = 1"))
 
-    group = gid()
-    q = (read_stream(spark, kafka, group, "orders", deadLetterPath=dlq).writeStream.foreachBatch(process)
+    group = kafka.group(gid())
+    q = (read_stream(spark, kafka, group, w.topic, deadLetterPath=dlq).writeStream.foreachBatch(process)
          .option("checkpointLocation", str(tmp_path / "ck")).trigger(availableNow=True).start())
     assert q.awaitTermination(120)
     assert q.exception() is None
@@ -551,14 +559,15 @@ def test_verdicts_reject_release_and_accept(spark, kafka, tmp_path):
     assert set(dead.columns) >= {"key", "value", "headers", "topic", "partition", "offset", "deliveryCount", "reason",
                                  "queryId", "batchId"}
     # Nothing is left for the group: accepted and rejected records are done.
-    assert drain_share_group(kafka.bootstrap_servers, group, ["orders"], timeout=3) == []
+    assert drain_share_group(kafka, group, [w.topic], timeout=3) == []
 
 
+@pytest.mark.embedded_only("injects Produce errors on the dead-letter topic")
 def test_verdicts_dead_letter_topic_that_refuses_writes_fails_the_query_and_loses_nothing(spark, kafka, tmp_path):
     """Writes to the dead-letter topic fail (TOPIC_AUTHORIZATION_FAILED on Produce): no REJECT is
     sent, the query fails naming deadLetterTopic, and the records come back after a restart."""
     w = Workload(kafka, "src", partitions=1)
-    kafka.create_topic("dead", 1)
+    dead = kafka.create_topic("dead", 1)
     w.produce(20)
     refused = []
 
@@ -576,8 +585,8 @@ def test_verdicts_dead_letter_topic_that_refuses_writes_fails_the_query_and_lose
         spark_share.reject(df.where("id % 2 = 0"), reason="even")
 
     collector = BatchCollector()
-    group, ck = gid(), str(tmp_path / "ck")
-    q = (read_stream(spark, kafka, group, "src", deadLetterTopic="dead").writeStream.foreachBatch(process)
+    group, ck = kafka.group(gid()), str(tmp_path / "ck")
+    q = (read_stream(spark, kafka, group, w.topic, deadLetterTopic=dead).writeStream.foreachBatch(process)
          .option("checkpointLocation", ck).trigger(availableNow=True).start())
     with pytest.raises(Exception, match="deadLetterTopic"):
         q.awaitTermination(120)
@@ -587,7 +596,7 @@ def test_verdicts_dead_letter_topic_that_refuses_writes_fails_the_query_and_lose
     # run's sessions.
     wait_until(lambda: not any(psutil.pid_exists(p) for p in first_agents), timeout=60,
                message="the failed run's processes did not exit")
-    q = (read_stream(spark, kafka, group, "src", deadLetterTopic="dead").writeStream.foreachBatch(process)
+    q = (read_stream(spark, kafka, group, w.topic, deadLetterTopic=dead).writeStream.foreachBatch(process)
          .option("checkpointLocation", ck).trigger(availableNow=True).start())
     assert q.awaitTermination(120)
     assert q.exception() is None
@@ -595,7 +604,7 @@ def test_verdicts_dead_letter_topic_that_refuses_writes_fails_the_query_and_lose
                                                                   "dead letters could not be written")
     assert report.duplicates == len(w.ids)
     assert {r["deliveryCount"] for b, rows in collector.batches.items() if b > 0 for r in rows} == {2}
-    assert drain_share_group(kafka.bootstrap_servers, group, ["src"], timeout=3) == []
+    assert drain_share_group(kafka, group, [w.topic], timeout=3) == []
 
 
 def test_verdicts_follow_spark_batch_ids_that_run_ahead_of_the_source(spark, kafka, tmp_path):
@@ -613,7 +622,7 @@ def test_verdicts_follow_spark_batch_ids_that_run_ahead_of_the_source(spark, kaf
         kafka_rows = df.where("topic IS NOT NULL").withColumn("id", F.get_json_object("value", "$.id").cast("long"))
         spark_share.reject(kafka_rows.where("id % 2 = 0"), reason="even")
 
-    ours = read_stream(spark, kafka, gid(), "mixed", idleProbeIntervalMs=600_000).select(
+    ours = read_stream(spark, kafka, kafka.group(gid()), w.topic, idleProbeIntervalMs=600_000).select(
         F.col("value").cast("string").alias("value"), "topic", "partition", "offset")
     text = spark.readStream.format("text").load(str(files)).select(
         "value", F.lit(None).cast("string").alias("topic"), F.lit(None).cast("int").alias("partition"),
@@ -647,7 +656,7 @@ def test_row13_a_replayed_batch_reads_nothing_so_an_idempotent_writer_loses_noth
     new records under that id would be skipped by the writer and then ACCEPTed (lost)."""
     w = Workload(kafka, "replay", partitions=2)
     w.produce(400)
-    group, ck = gid(), str(tmp_path / "ck")
+    group, ck = kafka.group(gid()), str(tmp_path / "ck")
     written = {}  # batch id -> ids: the idempotent writer's table
     crashes = [RuntimeError("crash after the write, before Spark's commit")]
 
@@ -659,16 +668,16 @@ def test_row13_a_replayed_batch_reads_nothing_so_an_idempotent_writer_loses_noth
         if crashes:
             raise crashes.pop()
 
-    q = (read_stream(spark, kafka, group, "replay").writeStream.foreachBatch(idempotent_write)
+    q = (read_stream(spark, kafka, group, w.topic).writeStream.foreachBatch(idempotent_write)
          .option("checkpointLocation", ck).start())
     with pytest.raises(Exception, match="crash after the write"):
         q.awaitTermination(120)
     assert len(written[0]) > 100
-    other = drain_share_group(kafka.bootstrap_servers, group, ["replay"], timeout=30, until=100, max_poll_records=100)
+    other = drain_share_group(kafka, group, [w.topic], timeout=30, until=100, max_poll_records=100)
     taken = ids_of({"value": v} for _, _, _, _, v in other)
     assert 0 < len(taken) < len(written[0]), "the other member should take part of the released batch"
     w.produce(200)
-    q = (read_stream(spark, kafka, group, "replay").writeStream.foreachBatch(idempotent_write)
+    q = (read_stream(spark, kafka, group, w.topic).writeStream.foreachBatch(idempotent_write)
          .option("checkpointLocation", ck).trigger(availableNow=True).start())
     assert q.awaitTermination(180)
     assert q.exception() is None
@@ -699,7 +708,8 @@ def test_row14_an_action_on_a_batch_after_it_committed_acquires_nothing(spark, k
             except Exception as e:
                 late.append(str(e))
 
-    q = (read_stream(spark, kafka, gid(), "kept", maxRecordsPerTrigger=2).writeStream.foreachBatch(process)
+    q = (read_stream(spark, kafka, kafka.group(gid()), w.topic, maxRecordsPerTrigger=2).writeStream
+         .foreachBatch(process)
          .option("checkpointLocation", str(tmp_path / "ck")).trigger(availableNow=True).start())
     assert q.awaitTermination(180)
     assert q.exception() is None
@@ -715,10 +725,10 @@ def test_row15_the_file_sink_skips_a_replayed_batch_and_loses_nothing(spark, kaf
     written by the next batch."""
     w = Workload(kafka, "files", partitions=2)
     w.produce(200)
-    group, ck, out = gid(), str(tmp_path / "ck"), str(tmp_path / "out")
+    group, ck, out = kafka.group(gid()), str(tmp_path / "ck"), str(tmp_path / "out")
 
     def run(**trigger):
-        q = (read_stream(spark, kafka, group, "files").writeStream.format("parquet").option("path", out)
+        q = (read_stream(spark, kafka, group, w.topic).writeStream.format("parquet").option("path", out)
              .option("checkpointLocation", ck).trigger(**trigger).start())
         assert q.awaitTermination(120)
         assert q.exception() is None
@@ -739,12 +749,15 @@ def test_row15_the_file_sink_skips_a_replayed_batch_and_loses_nothing(spark, kaf
 @pytest.mark.parametrize("phase", ["latest_offset", "planning", "acknowledging"])
 def test_row16_sigterm_at_each_phase_accepts_the_committed_batch_and_releases_the_rest(kafka, phase):
     kafka.set_record_lock_duration(60_000)  # only a release, not an expiry, hands records out in time
-    topic, group, query_id = f"term-{phase}", gid(), f"q-{uuid.uuid4().hex[:8]}"
-    w = Workload(kafka, topic, partitions=2)
+    group, query_id = kafka.group(gid()), f"q-{uuid.uuid4().hex[:8]}"
+    w = Workload(kafka, f"term-{phase}", partitions=2)
+    topic = w.topic
     first = w.produce(100)
-    proc = subprocess.Popen([sys.executable, HARNESS, kafka.bootstrap_servers, group, topic, phase, query_id],
+    proc = subprocess.Popen([sys.executable, HARNESS, group, topic, phase, query_id],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
+        proc.stdin.write(json.dumps(kafka.client()) + "\n")  # on stdin, not argv: it may hold credentials
+        proc.stdin.flush()
         lines = Lines(proc)
         _, rows, tracker_id = lines.wait_for("READ")
         assert int(rows) == 100
@@ -765,7 +778,7 @@ def test_row16_sigterm_at_each_phase_accepts_the_committed_batch_and_releases_th
     assert registry(query_id) is None, "the query registry file was left behind"
     wait_until(lambda: not agent_processes(tracker_id), timeout=30, message="the agent outlived its tracker")
     assert not os.path.exists(agent_socket_path(tracker_id))
-    got = drain_share_group(kafka.bootstrap_servers, group, [topic], timeout=15, until=len(second))
+    got = drain_share_group(kafka, group, [topic], timeout=15, until=len(second))
     ids = ids_of({"value": v} for _, _, _, _, v in got)
     # Batch 0 was committed: ACCEPTed, never delivered again. Batch 1 was not: released at once.
     assert not set(ids) & set(first), f"{len(set(ids) & set(first))} records of the committed batch came back"
@@ -776,20 +789,20 @@ def test_row17_agent_lost_while_a_batch_with_rejects_commits(kafka, tmp_path):
     """The live agent writes the dead letters it holds and acknowledges (its REJECT and ACCEPTs); the
     lost agent's records count as failed and come back; the query does not fail naming a target
     that was fine."""
-    t = tracker(kafka, "rejects", deadLetterPath=str(tmp_path / "dlq"))
+    t, topic = tracker(kafka, "rejects", deadLetterPath=str(tmp_path / "dlq"))
     live, lost = StubAgent("live"), StubAgent("lost")
     t.agents["live"] = live
     try:
         t.plan(0, None)
-        acquired(t, live, 0, 0, "rejects", 0, 0, 9)
-        acquired(t, lost, 0, 1, "rejects", 1, 0, 9)
-        t.batches[0].verdicts.update({("rejects", 0, 3): (REJECT, "bad"), ("rejects", 1, 4): (REJECT, "bad")})
+        acquired(t, live, 0, 0, topic, 0, 0, 9)
+        acquired(t, lost, 0, 1, topic, 1, 0, 9)
+        t.batches[0].verdicts.update({(topic, 0, 3): (REJECT, "bad"), (topic, 1, 4): (REJECT, "bad")})
         t.batch_committed(0)
         assert t.failure is None
         dead = [r for r in live.sent if r["op"] == "deadletter"]
-        assert [d["records"] for d in dead] == [[["rejects", 0, 3, "bad"]]]
+        assert [d["records"] for d in dead] == [[[topic, 0, 3, "bad"]]]
         ack = next(r for r in live.sent if r["op"] == "ack")
-        assert ack["default"] == ACCEPT and ["rejects", 0, 3, REJECT] in ack["verdicts"]
+        assert ack["default"] == ACCEPT and [topic, 0, 3, REJECT] in ack["verdicts"]
         o = t.batches[0].outcome
         assert (o.failed, o.errors) == (10, {AGENT_LOST: 10})
     finally:
@@ -803,20 +816,20 @@ def test_row18_a_rejected_record_two_agents_held_is_dead_lettered_by_the_live_on
     slot of the same batch; the application rejects them. The tracker asked only the first holder
     (the lost agent) to write the dead letters, and the live one REJECTed them unwritten. Now every
     live holder writes them, and an agent REJECTs only what it wrote itself."""
-    t = tracker(kafka, "twice", deadLetterPath=str(tmp_path / "dlq"))
+    t, topic = tracker(kafka, "twice", deadLetterPath=str(tmp_path / "dlq"))
     lost, live = StubAgent("lost"), StubAgent("live")
     t.agents["live"] = live
     try:
         t.plan(0, None)
-        acquired(t, lost, 0, 0, "twice", 0, 0, 9)  # read first, then its agent was killed
-        acquired(t, live, 0, 1, "twice", 0, 0, 9)  # the same records, released by the broker, read again
-        t.batches[0].verdicts.update({("twice", 0, 3): (REJECT, "bad")})
+        acquired(t, lost, 0, 0, topic, 0, 0, 9)  # read first, then its agent was killed
+        acquired(t, live, 0, 1, topic, 0, 0, 9)  # the same records, released by the broker, read again
+        t.batches[0].verdicts.update({(topic, 0, 3): (REJECT, "bad")})
         t.batch_committed(0)
         assert t.failure is None
         dead = [r for r in live.sent if r["op"] == "deadletter"]
-        assert [d["records"] for d in dead] == [[["twice", 0, 3, "bad"]]], "the live holder must write it"
+        assert [d["records"] for d in dead] == [[[topic, 0, 3, "bad"]]], "the live holder must write it"
         ack = next(r for r in live.sent if r["op"] == "ack")
-        assert ack["default"] == ACCEPT and ["twice", 0, 3, REJECT] in ack["verdicts"]
+        assert ack["default"] == ACCEPT and [topic, 0, 3, REJECT] in ack["verdicts"]
         assert t.batches[0].outcome.errors == {AGENT_LOST: 10}
     finally:
         t.agents.clear()
@@ -825,7 +838,7 @@ def test_row18_a_rejected_record_two_agents_held_is_dead_lettered_by_the_live_on
 
 # --- tracker: which reads may acquire, and what a lost agent means ------------------------------------
 def test_reads_of_batches_this_run_cannot_serve_are_refused(kafka):
-    t = tracker(kafka, "refused")
+    t, topic = tracker(kafka, "refused")
     a1, a2 = StubAgent("a1"), StubAgent("a2")
     t.agents.update(a1=a1, a2=a2)
     try:
@@ -836,7 +849,7 @@ def test_reads_of_batches_this_run_cannot_serve_are_refused(kafka):
             t._claim(a1, Claim(9, 0))
         b = t.plan(5, None)
         assert t.batch_to_read(5) is b and t._claim(a1, Claim(5, 0)) == {"owner": "a1"}
-        acquired(t, a1, 5, 0, "refused", 0, 0, 9)
+        acquired(t, a1, 5, 0, topic, 0, 0, 9)
         t.batch_committed(5)
         assert b.state == "acked"
         with pytest.raises(BatchRefused, match="already committed"):
@@ -856,13 +869,13 @@ def test_a_slot_whose_agent_is_lost_reads_nothing_new(kafka):
     """Re-reading a slot whose records a lost agent acquired gets no rows (its rows may be in a sink
     already; the broker releases them and they come back later); a slot claimed by a lost agent that
     never acquired anything is polled again (no row of it reached Spark)."""
-    t = tracker(kafka, "lost")
+    t, topic = tracker(kafka, "lost")
     a1, a2, a3 = StubAgent("a1"), StubAgent("a2"), StubAgent("a3")
     t.agents.update(a1=a1, a2=a2, a3=a3)
     try:
         t.plan(0, None)
         assert t._claim(a1, Claim(0, 0)) == {"owner": "a1"}
-        acquired(t, a1, 0, 0, "lost", 0, 0, 4)
+        acquired(t, a1, 0, 0, topic, 0, 0, 4)
         assert t._claim(a3, Claim(0, 1)) == {"owner": "a3"}
         del t.agents["a1"], t.agents["a3"]
         assert t._claim(a2, Claim(0, 0)) == {"owner": None}
@@ -875,13 +888,13 @@ def test_a_slot_whose_agent_is_lost_reads_nothing_new(kafka):
 
 
 def test_a_dead_letter_write_that_finds_fewer_records_still_fails(kafka, tmp_path):
-    t = tracker(kafka, "fewer", deadLetterPath=str(tmp_path / "dlq"))
+    t, topic = tracker(kafka, "fewer", deadLetterPath=str(tmp_path / "dlq"))
     live = StubAgent("live", written=0)
     t.agents["live"] = live
     try:
         t.plan(0, None)
-        acquired(t, live, 0, 0, "fewer", 0, 0, 9)
-        t.batches[0].verdicts[("fewer", 0, 3)] = (REJECT, "bad")
+        acquired(t, live, 0, 0, topic, 0, 0, 9)
+        t.batches[0].verdicts[(topic, 0, 3)] = (REJECT, "bad")
         with pytest.raises(Exception, match="deadLetterPath"):
             t.batch_committed(0)
         assert next(r for r in live.sent if r["op"] == "ack")["default"] != ACCEPT

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from spark_share.session import IDLE_SERVE_S, STATS_INTERVAL_MS, ShareSession
 from support import ShareGroups, gid, uid, wait_until
 
@@ -25,13 +27,12 @@ class RecordingSession(ShareSession):
 
 
 def _session(kafka, topic: str) -> RecordingSession:
-    conf = {"bootstrap.servers": kafka.bootstrap_servers, "group.id": gid(), "share.acknowledgement.mode": "explicit"}
+    conf = {**kafka.client(), "group.id": kafka.group(gid()), "share.acknowledgement.mode": "explicit"}
     return RecordingSession(uid("idle"), conf, [topic], False)
 
 
 def test_an_idle_session_keeps_its_queued_statistics_bounded(kafka):
-    topic = uid("idle")
-    kafka.create_topic(topic, 2)
+    topic = kafka.create_topic(uid("idle"), 2)
     s = _session(kafka, topic)
     try:
         rb, _ = s.poll(0, 0, None, 60_000).result(timeout=90)  # joins the group; the queue is empty
@@ -48,11 +49,11 @@ def test_an_idle_session_keeps_its_queued_statistics_bounded(kafka):
         s.close().result(timeout=30)
 
 
+@pytest.mark.embedded_only("counts the ShareAcknowledge requests the broker received (request tracking)")
 def test_serving_an_idle_session_acknowledges_nothing_and_loses_nothing(kafka, produce):
     """Held records stay held (no acknowledgement goes out) while the session serves its queue, and
     are then accepted; records produced while it idles come with the next poll, delivered once."""
-    topic = uid("idle")
-    kafka.create_topic(topic, 2)
+    topic = kafka.create_topic(uid("idle"), 2)
     first = produce(kafka, topic, 10, partitions=2)
     s = _session(kafka, topic)
     try:
@@ -82,13 +83,13 @@ def test_serving_an_idle_session_acknowledges_nothing_and_loses_nothing(kafka, p
         s.close().result(timeout=30)
 
 
+@pytest.mark.embedded_only("reads the group's members through the embedded broker's ctypes API")
 def test_a_session_idle_past_max_poll_interval_rejoins_on_its_next_poll(kafka, produce):
     """librdkafka makes a consumer not polled for max.poll.interval.ms leave the group and fails its
     next poll once: the read of that poll must not fail (in local mode it would fail the query)."""
-    topic = uid("idle")
-    kafka.create_topic(topic, 2)
-    group = gid()
-    conf = {"bootstrap.servers": kafka.bootstrap_servers, "group.id": group, "share.acknowledgement.mode": "explicit",
+    topic = kafka.create_topic(uid("idle"), 2)
+    group = kafka.group(gid())
+    conf = {**kafka.client(), "group.id": group, "share.acknowledgement.mode": "explicit",
             "max.poll.interval.ms": "3000"}
     s = RecordingSession(uid("idle"), conf, [topic], False)
     members = ShareGroups(kafka).members

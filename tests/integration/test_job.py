@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import subprocess
 import sys
 import time
 import types
+from collections import Counter
 
 import pytest
 
@@ -16,18 +18,37 @@ from spark_share import job
 from spark_share.job import ConfigError, load_config, parse_config
 from spark_share.job.command import _find_config
 from spark_share.job.pipeline import _check_against_schema, _check_release_if
+from spark_share.job.workload import produce_waiting, synthetic_order
 from spark_share.options import is_secret
-from support import summary_count
+from support import kafka_options, summary_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JOB_FILE = os.path.join(ROOT, "jobs", "queue_to_table.py")
 
 
+def synthetic_orders(kafka, topic: str, n: int, partitions: int, seed: int = 7) -> dict[str, int]:
+    """job.synthetic_orders (the same orders, from the same seed) through a producer with the broker's
+    client configs: the job's own takes a bootstrap address only."""
+    from confluent_kafka import Producer
+
+    rnd = random.Random(seed)
+    p = Producer({**kafka.client(), "linger.ms": 5})
+    kinds: Counter[str] = Counter()
+    for i in range(n):
+        kind, value = synthetic_order(i, rnd)
+        kinds[kind] += 1
+        produce_waiting(p, topic, key=str(i).encode(), value=value, partition=i % partitions)
+    assert p.flush(60) == 0, f"synthetic orders not delivered to {topic}"
+    return dict(kinds)
+
+
 def test_job_end_to_end_on_the_embedded_broker(spark, kafka, tmp_path, capsys):
-    kafka.create_topic("orders", 4)
-    kinds = job.synthetic_orders(kafka.bootstrap_servers, "orders", 2000, 4)
+    topic = kafka.create_topic("orders", 4)
+    kinds = synthetic_orders(kafka, topic, 2000, 4)
     assert kinds["no_status"] > 0  # release_if is NULL for these: they must be written, not lost
     cfg = job.demo_config(kafka.bootstrap_servers, str(tmp_path))
+    # The demo's group and topic, under the broker's names; its client configs as kafka.* options.
+    cfg.group_id, cfg.topics, cfg.source_options = kafka.group(cfg.group_id), [topic], kafka_options(kafka)
     t0 = time.monotonic()
     s = job.run(spark, cfg)
     first = time.monotonic() - t0
@@ -61,6 +82,7 @@ def test_job_end_to_end_on_the_embedded_broker(spark, kafka, tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.embedded_only("runs the embedded demo")
 def test_job_file_without_arguments_runs_the_embedded_demo(tmp_path):
     """The README's first command (through `spark-share demo`): the real entry point, as a process."""
     env = dict(os.environ, PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable)
@@ -393,6 +415,7 @@ def test_job_file_runs_as_a_script_with_a_bad_config(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.embedded_only("the notebook starts its own embedded broker")
 def test_quickstart_notebook_executes(tmp_path):
     import nbformat
     from nbclient import NotebookClient

@@ -3,21 +3,26 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from spark_share.session import ShareSession
+from support import kafka_options
 
 
+@pytest.mark.embedded_only("the first empty poll must end within 5 s; a real broker assigns partitions only "
+                           "after a heartbeat interval (5 s by default)")
 def test_polls_end_when_a_fetch_comes_back_empty_and_not_while_one_is_on_its_way(kafka, produce):
     """A poll on an empty queue returns once a fetch sent after it began came back empty (the first
     one also waits for the group join), long before its timeout; a poll on a queue with records
     returns them rather than giving up."""
     from spark_share.pool import FIRST_POLL_MIN_MS
 
-    kafka.create_topic("empty", 1)
-    kafka.create_topic("full", 1)
-    produce(kafka, "full", 5)
-    conf = {"bootstrap.servers": kafka.bootstrap_servers, "share.acknowledgement.mode": "explicit"}
-    empty = ShareSession("t-e", dict(conf, **{"group.id": "e"}), ["empty"], False)
-    full = ShareSession("t-f", dict(conf, **{"group.id": "f"}), ["full"], False)
+    empty_topic = kafka.create_topic("empty", 1)
+    full_topic = kafka.create_topic("full", 1)
+    produce(kafka, full_topic, 5)
+    conf = {**kafka.client(), "share.acknowledgement.mode": "explicit"}
+    empty = ShareSession("t-e", dict(conf, **{"group.id": kafka.group("e")}), [empty_topic], False)
+    full = ShareSession("t-f", dict(conf, **{"group.id": kafka.group("f")}), [full_topic], False)
     try:
         for attempt in ("first", "later"):
             t0 = time.monotonic()
@@ -28,7 +33,7 @@ def test_polls_end_when_a_fetch_comes_back_empty_and_not_while_one_is_on_its_way
         rb, _ = full.poll(0, 0, None, 60_000).result(timeout=90)
         assert rb.num_rows == 5
         # A session that found its queue empty still gets what arrives later.
-        produce(kafka, "empty", 3)
+        produce(kafka, empty_topic, 3)
         rb, _ = empty.poll(1, 0, None, 60_000).result(timeout=90)
         assert rb.num_rows == 3
     finally:
@@ -36,6 +41,8 @@ def test_polls_end_when_a_fetch_comes_back_empty_and_not_while_one_is_on_its_way
         full.close().result(timeout=30)
 
 
+@pytest.mark.embedded_only("injects broker latency (set_broker_rtt); the session reset it guards against "
+                           "is the embedded broker's")
 def test_a_stalled_broker_does_not_make_the_watermark_client_end_share_sessions(kafka, produce):
     """The watermark client waits out a broker that answers late instead of timing its request out:
     librdkafka drops the connection of a timed-out request, and on the embedded broker that ends
@@ -46,13 +53,12 @@ def test_a_stalled_broker_does_not_make_the_watermark_client_end_share_sessions(
 
     stall_ms, stall_s = 7000, 9.0  # answers come 7 s late, for 9 s
     assert stall_ms / 1000 < REFRESH_TIMEOUT_S
-    kafka.create_topic("stall", 1)
-    produce(kafka, "stall", 20)
-    conf = {"bootstrap.servers": kafka.bootstrap_servers, "share.acknowledgement.mode": "explicit",
-            "group.id": "stall"}
-    session = ShareSession("t-s", conf, ["stall"], False)
-    watcher = MetadataWatcher(parse_options({"kafka.bootstrap.servers": kafka.bootstrap_servers,
-                                             "kafka.group.id": "stall", "subscribe": "stall"}), wanted=lambda: False)
+    topic, group = kafka.create_topic("stall", 1), kafka.group("stall")
+    produce(kafka, topic, 20)
+    conf = {**kafka.client(), "share.acknowledgement.mode": "explicit", "group.id": group}
+    session = ShareSession("t-s", conf, [topic], False)
+    watcher = MetadataWatcher(parse_options({**kafka_options(kafka), "kafka.group.id": group, "subscribe": topic}),
+                              wanted=lambda: False)
     try:
         rb, _ = session.poll(0, 0, None, 60_000).result(timeout=90)
         assert rb.num_rows == 20
@@ -69,7 +75,7 @@ def test_a_stalled_broker_does_not_make_the_watermark_client_end_share_sessions(
         out = session.acknowledge({}, 30).result(timeout=60)
         assert (out.accepted, out.failed, out.expired) == (20, 0, 0), out
         assert refresh_s >= stall_ms / 1000 * 0.9, "the refresh did not meet the stall"
-        assert watcher.high[("stall", 0)] == 20
+        assert watcher.high[(topic, 0)] == 20
     finally:
         watcher.close()
         session.close().result(timeout=30)

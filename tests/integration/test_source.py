@@ -1,4 +1,5 @@
-"""The kafka-share source end to end: a local Spark session against the embedded broker.
+"""The kafka-share source end to end: a local Spark session against the embedded broker (or a cluster of
+yours: tests/brokers.py).
 
 Each test here would fail on the toy design (a consumer in read(), ACCEPT at task end)."""
 from __future__ import annotations
@@ -25,6 +26,7 @@ from support import (
     drain_share_group,
     gid,
     ids_of,
+    kafka_options,
     kill,
     python_workers,
     read_stream,
@@ -39,9 +41,9 @@ from support import (
 def test_available_now_drains_acknowledges_and_ends(spark, kafka, tmp_path):
     w = Workload(kafka, "orders", partitions=2)
     w.produce(600)
-    group = uid("g")
+    group = kafka.group(uid("g"))
     out, ck = str(tmp_path / "out"), str(tmp_path / "ck")
-    df = read_stream(spark, kafka, group, "orders")
+    df = read_stream(spark, kafka, group, w.topic)
     t0 = time.monotonic()
     q = (df.writeStream.format("parquet").option("path", out).option("checkpointLocation", ck)
          .trigger(availableNow=True).start())
@@ -57,7 +59,7 @@ def test_available_now_drains_acknowledges_and_ends(spark, kafka, tmp_path):
     assert {r["deliveryCount"] for r in rows} == {1}
     # The acks were sent before the run ended: the group hands nothing out any more, even though a
     # consumer that never acknowledged would have had its records released when the run stopped.
-    assert drain_share_group(kafka.bootstrap_servers, group, ["orders"], timeout=3) == []
+    assert drain_share_group(kafka, group, [w.topic], timeout=3) == []
     # Per-batch acknowledgement counts show in the progress of the source.
     progress = [p for p in q.recentProgress if p["sources"][0]["latestOffset"]]
     latest = json.loads(progress[-1]["sources"][0]["latestOffset"]) if isinstance(
@@ -74,7 +76,7 @@ def test_available_now_drains_acknowledges_and_ends(spark, kafka, tmp_path):
 
     # A second run over the empty queue ends quickly with no rows.
     t0 = time.monotonic()
-    q2 = (read_stream(spark, kafka, group, "orders").writeStream.format("parquet").option("path", out)
+    q2 = (read_stream(spark, kafka, group, w.topic).writeStream.format("parquet").option("path", out)
           .option("checkpointLocation", ck).trigger(availableNow=True).start())
     assert q2.awaitTermination(60)
     assert q2.exception() is None
@@ -102,7 +104,8 @@ def test_consumers_outlive_killed_python_workers(spark, kafka, tmp_path):
         collector(df, batch_id)
 
     collector = BatchCollector()
-    q = (read_stream(spark, kafka, uid("g"), "clicks").writeStream.foreachBatch(kill_workers_between_actions)
+    q = (read_stream(spark, kafka, kafka.group(uid("g")), w.topic).writeStream
+         .foreachBatch(kill_workers_between_actions)
          .option("checkpointLocation", str(tmp_path / "ck")).trigger(availableNow=True).start())
     assert q.awaitTermination(120)
     assert q.exception() is None
@@ -114,10 +117,10 @@ def test_consumers_outlive_killed_python_workers(spark, kafka, tmp_path):
 
 def test_idle_is_cheap_and_latest_offset_answers_from_memory(spark, kafka, tmp_path):
     """Invariant 5/7: no records for 10 s -> at most a couple of batches; latestOffset costs no broker call."""
-    kafka.create_topic("quiet", 2)
+    topic = kafka.create_topic("quiet", 2)
     collector = BatchCollector()
     ck = str(tmp_path / "ck")
-    q = (read_stream(spark, kafka, uid("g"), "quiet").writeStream.foreachBatch(collector)
+    q = (read_stream(spark, kafka, kafka.group(uid("g")), topic).writeStream.foreachBatch(collector)
          .option("checkpointLocation", ck).start())
     try:
         wait_until(lambda: q.lastProgress is not None, timeout=60, message="query never made progress")
@@ -132,7 +135,7 @@ def test_idle_is_cheap_and_latest_offset_answers_from_memory(spark, kafka, tmp_p
         assert max(batches) - first <= 2, f"{max(batches) - first} batches ran in 10 idle seconds"
         assert collector.rows == []
         # Then records arrive and are picked up promptly (watermarks moved).
-        w = Workload(kafka, "quiet", partitions=2, create=False)
+        w = Workload(kafka, topic, partitions=2, create=False)
         w.produce(50)
         wait_until(lambda: len(collector.rows) >= 50, timeout=30, message="new records not picked up")
         # Invariant 2: acknowledged promptly once committed (the default trigger).
@@ -152,9 +155,9 @@ def test_latest_offset_makes_no_broker_call(kafka):
     from spark_share.options import parse_options
     from spark_share.reader import ShareStreamReader
 
-    kafka.create_topic("t", 2)
-    reader = ShareStreamReader(parse_options({"kafka.bootstrap.servers": kafka.bootstrap_servers,
-                                              "kafka.group.id": "g", "subscribe": "t"}))
+    topic = kafka.create_topic("t", 2)
+    reader = ShareStreamReader(parse_options({**kafka_options(kafka), "kafka.group.id": kafka.group("g"),
+                                              "subscribe": topic}))
     start = reader.initialOffset()
     t = reader._t()
     calls = []
@@ -196,8 +199,8 @@ def test_available_now_waits_for_records_it_gave_back(kafka):
 
     w = Workload(kafka, "given-back", partitions=1)
     w.produce(10)
-    t = Tracker(parse_options({"kafka.bootstrap.servers": kafka.bootstrap_servers, "kafka.group.id": "g",
-                               "subscribe": "given-back"}))
+    t = Tracker(parse_options({**kafka_options(kafka), "kafka.group.id": kafka.group("g"),
+                               "subscribe": w.topic}))
     verdict = {}  # batch -> what the agent reports its acknowledgement did
 
     def ack_result(req):  # the agent's answer once the broker confirmed the batch's acknowledgements
@@ -218,7 +221,7 @@ def test_available_now_waits_for_records_it_gave_back(kafka):
         verdict[n] = outcome
         if rows:
             t._acquired(agent, Acquired(n, 0, rows=rows, redelivered=redelivered,
-                                        offsets={"given-back": {"0": [[0, rows - 1]]}}))
+                                        offsets={w.topic: {"0": [[0, rows - 1]]}}))
         t.batch_committed(n)
         return t.should_run(n)
 
@@ -249,9 +252,9 @@ def test_stop_accepts_a_committed_batch_it_was_not_told_of(kafka, tmp_path):
     from spark_share.protocol import Acquired
     from spark_share.tracker import Tracker
 
-    kafka.create_topic("stopping", 1)
-    t = Tracker(parse_options({"kafka.bootstrap.servers": kafka.bootstrap_servers, "kafka.group.id": "g",
-                               "subscribe": "stopping"}))
+    topic = kafka.create_topic("stopping", 1)
+    t = Tracker(parse_options({**kafka_options(kafka), "kafka.group.id": kafka.group("g"),
+                               "subscribe": topic}))
     sent = {}
 
     def call(req, timeout=None):
@@ -277,7 +280,7 @@ def test_stop_accepts_a_committed_batch_it_was_not_told_of(kafka, tmp_path):
         for n, spark_batch in ((0, 4), (1, 5)):
             t.plan(n, None)
             t.batches[n].spark_batch = spark_batch
-            t._acquired(agent, Acquired(n, 0, rows=3, offsets={"stopping": {"0": [[3 * n, 3 * n + 2]]}}))
+            t._acquired(agent, Acquired(n, 0, rows=3, offsets={topic: {"0": [[3 * n, 3 * n + 2]]}}))
     finally:
         t.shutdown()
         os.unlink(checkpoint_note_path(query_id))
@@ -314,7 +317,7 @@ def test_sockets_refuse_peers_without_the_secret(spark, kafka, tmp_path):
         checks["status"] = ok.call({"op": "status"}, timeout=10)[0]
         ok.close()
 
-    q = (read_stream(spark, kafka, uid("g"), "secure").writeStream.foreachBatch(probe)
+    q = (read_stream(spark, kafka, kafka.group(uid("g")), w.topic).writeStream.foreachBatch(probe)
          .option("checkpointLocation", str(tmp_path / "ck")).trigger(availableNow=True).start())
     assert q.awaitTermination(120)
     assert q.exception() is None
@@ -329,15 +332,15 @@ def test_two_queries_two_groups_side_by_side(spark, kafka, tmp_path):
     wa.produce(300)
     wb.produce(200, value_fn=lambda i: json.dumps({"id": 10_000 + i}).encode())
     ca, cb = BatchCollector(), BatchCollector()
-    qa = (read_stream(spark, kafka, uid("ga"), "ta").writeStream.foreachBatch(ca)
+    qa = (read_stream(spark, kafka, kafka.group(uid("ga")), wa.topic).writeStream.foreachBatch(ca)
           .option("checkpointLocation", str(tmp_path / "cka")).start())
-    qb = (read_stream(spark, kafka, uid("gb"), "tb").writeStream.foreachBatch(cb)
+    qb = (read_stream(spark, kafka, kafka.group(uid("gb")), wb.topic).writeStream.foreachBatch(cb)
           .option("checkpointLocation", str(tmp_path / "ckb")).start())
     try:
         wait_until(lambda: len(ca.rows) >= 300 and len(cb.rows) >= 200, timeout=90, message="queries did not drain")
         ta, tb = registry(qa.id)["tracker_id"], registry(qb.id)["tracker_id"]
         assert ta != tb and agent_processes(ta) and agent_processes(tb)
-        assert {r["topic"] for r in ca.rows} == {"ta"} and {r["topic"] for r in cb.rows} == {"tb"}
+        assert {r["topic"] for r in ca.rows} == {wa.topic} and {r["topic"] for r in cb.rows} == {wb.topic}
         check_no_loss(wa.ids, ca.ids)
         check_no_loss([10_000 + i for i in wb.ids], cb.ids)
         wait_until(lambda: spark_share.status(qa)["inflightRecords"] == 0
@@ -353,7 +356,7 @@ def test_max_records_per_trigger_is_honoured(spark, kafka, tmp_path):
     w = Workload(kafka, "capped", partitions=2)
     w.produce(250)
     collector = BatchCollector()
-    q = (read_stream(spark, kafka, uid("g"), "capped", maxRecordsPerTrigger=100).writeStream
+    q = (read_stream(spark, kafka, kafka.group(uid("g")), w.topic, maxRecordsPerTrigger=100).writeStream
          .foreachBatch(collector).option("checkpointLocation", str(tmp_path / "ck"))
          .trigger(availableNow=True).start())
     assert q.awaitTermination(120)
@@ -376,12 +379,12 @@ def test_read_all_available_ignores_max_records_per_trigger_and_num_partitions_s
         collector(df, batch_id)
 
     collector = BatchCollector()
-    q = (read_stream(spark, kafka, uid("g"), "all", maxRecordsPerTrigger=50, numPartitions=1).writeStream
+    q = (read_stream(spark, kafka, kafka.group(uid("g")), w.topic, maxRecordsPerTrigger=50, numPartitions=1).writeStream
          .foreachBatch(count_tasks).option("checkpointLocation", str(tmp_path / "ck")).trigger(once=True).start())
     assert q.awaitTermination(120)
     assert q.exception() is None
     assert tasks == [1] and len(collector.rows) > 50, (tasks, len(collector.rows))
-    q = (read_stream(spark, kafka, uid("g2"), "all", numPartitions=1).writeStream.format("noop")
+    q = (read_stream(spark, kafka, kafka.group(uid("g2")), w.topic, numPartitions=1).writeStream.format("noop")
          .option("checkpointLocation", str(tmp_path / "ck2")).trigger(availableNow=True).start())
     assert q.awaitTermination(120)
     assert q.exception() is None
@@ -394,7 +397,8 @@ def test_two_kafka_share_sources_in_one_query_fail_clearly(spark, kafka, tmp_pat
     wa, wb = Workload(kafka, "ua", partitions=1), Workload(kafka, "ub", partitions=1)
     wa.produce(10)
     wb.produce(10)
-    both = read_stream(spark, kafka, uid("g"), "ua").unionByName(read_stream(spark, kafka, uid("g"), "ub"))
+    both = read_stream(spark, kafka, kafka.group(uid("g")), wa.topic).unionByName(
+        read_stream(spark, kafka, kafka.group(uid("g")), wb.topic))
     q = both.writeStream.format("noop").option("checkpointLocation", str(tmp_path / "ck")).start()
     with pytest.raises(Exception, match="two kafka-share sources"):
         q.awaitTermination(120)
@@ -403,15 +407,16 @@ def test_two_kafka_share_sources_in_one_query_fail_clearly(spark, kafka, tmp_pat
 def test_headers_null_keys_and_large_values(spark, kafka, tmp_path):
     from confluent_kafka import Producer
 
-    kafka.create_topic("odd", 1)
-    p = Producer({"bootstrap.servers": kafka.bootstrap_servers, "message.max.bytes": 2_000_000, "log_level": 2})
-    p.produce("odd", key=None, value=None)
-    p.produce("odd", key=b"", value=b"")
-    p.produce("odd", key=b"big", value=b"x" * ((1 << 20) - 1024))  # the broker's limit is 1 MiB per batch
-    p.produce("odd", key=b"h", value=b"v", headers=[(f"h{i}", f"v{i}".encode()) for i in range(40)])
+    topic = kafka.create_topic("odd", 1)
+    p = Producer({**kafka.client(), "message.max.bytes": 2_000_000, "log_level": 2})
+    p.produce(topic, key=None, value=None)
+    p.produce(topic, key=b"", value=b"")
+    p.produce(topic, key=b"big", value=b"x" * ((1 << 20) - 1024))  # the broker's limit is 1 MiB per batch
+    p.produce(topic, key=b"h", value=b"v", headers=[(f"h{i}", f"v{i}".encode()) for i in range(40)])
     p.flush(30)
     collector = BatchCollector()
-    q = (read_stream(spark, kafka, uid("g"), "odd", includeHeaders="true").writeStream.foreachBatch(collector)
+    q = (read_stream(spark, kafka, kafka.group(uid("g")), topic, includeHeaders="true").writeStream
+         .foreachBatch(collector)
          .option("checkpointLocation", str(tmp_path / "ck")).trigger(availableNow=True).start())
     assert q.awaitTermination(120)
     assert q.exception() is None
@@ -425,10 +430,10 @@ def test_headers_null_keys_and_large_values(spark, kafka, tmp_path):
 
 
 def test_bad_setup_fails_fast_with_a_clear_error(spark, kafka, tmp_path):
-    kafka.create_topic("exists", 1)
-    q = (read_stream(spark, kafka, uid("g"), "exists,missing-topic").writeStream.format("noop")
+    exists, missing = kafka.create_topic("exists", 1), kafka.name("missing-topic")
+    q = (read_stream(spark, kafka, kafka.group(uid("g")), f"{exists},{missing}").writeStream.format("noop")
          .option("checkpointLocation", str(tmp_path / "ck1")).start())
-    with pytest.raises(Exception, match="missing-topic"):
+    with pytest.raises(Exception, match=re.escape(missing)):
         q.awaitTermination(60)
     # An unreachable broker is an error naming it, never a hang.
     s = socket.socket()
@@ -449,6 +454,8 @@ def test_bad_setup_fails_fast_with_a_clear_error(spark, kafka, tmp_path):
 
 def test_secrets_never_leak(spark, kafka, tmp_path):
     secret, key_secret = "S3cr3t-Pa55-" + uuid.uuid4().hex[:6], "KeyPa55-" + uuid.uuid4().hex[:6]
+    if {"sasl.username", "sasl.password", "ssl.key.password"} & set(kafka.client()):
+        pytest.skip("its made-up credentials would replace the cluster's own (from SPARK_SHARE_TEST_KAFKA_OPTIONS)")
     w = Workload(kafka, "sec", partitions=1)
     w.produce(20)
     opts = {"kafka.sasl.username": "alice", "kafka.sasl.password": secret, "kafka.ssl.key.password": key_secret}
@@ -460,10 +467,10 @@ def test_secrets_never_leak(spark, kafka, tmp_path):
             raise RuntimeError("failing run")
 
     ck = str(tmp_path / "ck")
-    q = run_available_now(spark, kafka, gid(), "sec", lambda df, b: df.count(), ck, **opts)
+    q = run_available_now(spark, kafka, kafka.group(gid()), w.topic, lambda df, b: df.count(), ck, **opts)
     texts.append(json.dumps([json.loads(p.json) for p in q.recentProgress]))
     w.produce(5)
-    q = (read_stream(spark, kafka, gid(), "sec", **opts).writeStream.foreachBatch(fail_second)
+    q = (read_stream(spark, kafka, kafka.group(gid()), w.topic, **opts).writeStream.foreachBatch(fail_second)
          .option("checkpointLocation", ck).start())
     with pytest.raises(Exception) as e:
         q.awaitTermination(120)
@@ -471,8 +478,8 @@ def test_secrets_never_leak(spark, kafka, tmp_path):
     texts.append(json.dumps([json.loads(p.json) for p in q.recentProgress]))
     from spark_share.options import parse_options
     from spark_share.reader import SharePartition, ShareStreamReader
-    reader = ShareStreamReader(parse_options({"kafka.bootstrap.servers": kafka.bootstrap_servers,
-                                              "kafka.group.id": "g", "subscribe": "sec", **opts}))
+    reader = ShareStreamReader(parse_options({**kafka_options(kafka), "kafka.group.id": kafka.group("g"),
+                                              "subscribe": w.topic, **opts}))
     texts += [repr(reader.opts), str(reader.opts), repr(SharePartition("h", 1, "t", secret, 0, 0, None, 1))]
     for root in (ck, runtime_dir()):
         for dirpath, _, files in os.walk(root):
@@ -498,9 +505,9 @@ def test_a_batch_planned_before_the_agent_joined_is_polled_when_it_joins(kafka, 
     from spark_share.tracker import Tracker
 
     monkeypatch.delenv("SPARK_SHARE_MASTER", raising=False)  # local mode: one host
-    kafka.create_topic("early", 2)
-    t = Tracker(parse_options({"kafka.bootstrap.servers": kafka.bootstrap_servers, "kafka.group.id": gid(),
-                               "subscribe": "early", "numPartitions": "2"}))
+    topic = kafka.create_topic("early", 2)
+    t = Tracker(parse_options({**kafka_options(kafka), "kafka.group.id": kafka.group(gid()),
+                               "subscribe": topic, "numPartitions": "2"}))
     sent: list[dict] = []
 
     def call_async(req):

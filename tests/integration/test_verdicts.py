@@ -26,11 +26,10 @@ from support import (
 def test_dead_letter_topic_gets_original_record_and_reason_headers(spark, kafka, tmp_path):
     from confluent_kafka import Producer
 
-    kafka.create_topic("in", 1)
-    kafka.create_topic("dead", 1)
-    p = Producer({"bootstrap.servers": kafka.bootstrap_servers, "log_level": 2})
+    source, dead = kafka.create_topic("in", 1), kafka.create_topic("dead", 1)
+    p = Producer({**kafka.client(), "log_level": 2})
     for i in range(20):
-        p.produce("in", key=f"k{i}".encode(), value=b"{bad" if i % 5 == 0 else json.dumps({"id": i}).encode(),
+        p.produce(source, key=f"k{i}".encode(), value=b"{bad" if i % 5 == 0 else json.dumps({"id": i}).encode(),
                   headers=[("trace", f"t{i}".encode())])
     p.flush(10)
 
@@ -38,13 +37,13 @@ def test_dead_letter_topic_gets_original_record_and_reason_headers(spark, kafka,
         parsed = df.withColumn("o", F.from_json(F.col("value").cast("string"), "id long"))
         spark_share.reject(parsed.where("o.id IS NULL"), reason="unparseable JSON")
 
-    q = (read_stream(spark, kafka, gid(), "in", deadLetterTopic="dead").writeStream.foreachBatch(process)
+    q = (read_stream(spark, kafka, kafka.group(gid()), source, deadLetterTopic=dead).writeStream.foreachBatch(process)
          .option("checkpointLocation", str(tmp_path / "ck")).trigger(availableNow=True).start())
     assert q.awaitTermination(120)
     assert q.exception() is None
-    c = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": "reader",
-                  "auto.offset.reset": "earliest"})
-    c.subscribe(["dead"])
+    c = Consumer({**kafka.client(), "group.id": kafka.name("reader"), "auto.offset.reset": "earliest",
+                  "enable.auto.commit": False})  # commits nothing: the group leaves no trace on a cluster
+    c.subscribe([dead])
     got = []
     deadline = time.monotonic() + 20
     try:
@@ -58,7 +57,7 @@ def test_dead_letter_topic_gets_original_record_and_reason_headers(spark, kafka,
     for m in got:
         h = {k: v for k, v in m.headers()}
         assert m.value() == b"{bad" and h["trace"] == b"t" + m.key()[1:]
-        assert h["spark-share.reason"] == b"unparseable JSON" and h["spark-share.topic"] == b"in"
+        assert h["spark-share.reason"] == b"unparseable JSON" and h["spark-share.topic"] == source.encode()
         assert int(h["spark-share.offset"]) % 5 == 0 and h["spark-share.deliveryCount"] == b"1"
         assert h["spark-share.queryId"] == str(q.id).encode() and h["spark-share.batchId"] == b"0"
 
@@ -80,15 +79,15 @@ def test_failed_dead_letter_write_acknowledges_nothing(spark, kafka, tmp_path):
             dlq.write_text("not a directory")
         spark_share.reject(df.where("id % 7 = 0"), reason="seven")
 
-    group, ck = gid(), str(tmp_path / "ck")
-    q = (read_stream(spark, kafka, group, "pay", deadLetterPath=str(dlq)).writeStream.foreachBatch(process)
+    group, ck = kafka.group(gid()), str(tmp_path / "ck")
+    q = (read_stream(spark, kafka, group, w.topic, deadLetterPath=str(dlq)).writeStream.foreachBatch(process)
          .option("checkpointLocation", ck).trigger(availableNow=True).start())
     with pytest.raises(Exception, match="deadLetterPath") as failure:
         q.awaitTermination(120)
     assert "released" in str(failure.value)
     assert {r["id"] for r in collector.batches[0]} == set(w.ids)
     dlq.unlink()  # the target is fixed; the restarted query gets batch 0's records back
-    q = (read_stream(spark, kafka, group, "pay", deadLetterPath=str(dlq)).writeStream.foreachBatch(process)
+    q = (read_stream(spark, kafka, group, w.topic, deadLetterPath=str(dlq)).writeStream.foreachBatch(process)
          .option("checkpointLocation", ck).trigger(availableNow=True).start())
     assert q.awaitTermination(120)
     assert q.exception() is None
@@ -96,7 +95,7 @@ def test_failed_dead_letter_write_acknowledges_nothing(spark, kafka, tmp_path):
     assert again == set(w.ids), "the batch whose dead letters failed was not delivered again in full"
     rejected = sorted(r["id"] for r in spark.read.parquet(str(dlq)).withColumn("id", id_col()).collect())
     assert rejected == [i for i in w.ids if i % 7 == 0]
-    assert drain_share_group(kafka.bootstrap_servers, group, ["pay"], timeout=3) == []
+    assert drain_share_group(kafka, group, [w.topic], timeout=3) == []
 
 
 def test_max_delivery_count_sets_a_poison_record_aside(spark, kafka, tmp_path):
@@ -112,7 +111,7 @@ def test_max_delivery_count_sets_a_poison_record_aside(spark, kafka, tmp_path):
         # Processing of record 13 keeps failing: give it back each time; everything else succeeds.
         spark_share.release(df.where(f"id = {poison}"))
 
-    q = (read_stream(spark, kafka, gid(), "jobs", deadLetterPath=dlq, maxDeliveryCount=3).writeStream
+    q = (read_stream(spark, kafka, kafka.group(gid()), w.topic, deadLetterPath=dlq, maxDeliveryCount=3).writeStream
          .foreachBatch(process).option("checkpointLocation", str(tmp_path / "ck"))
          .trigger(availableNow=True).start())
     assert q.awaitTermination(120)
@@ -135,7 +134,7 @@ def test_long_processing_time_trigger_acknowledges_within_a_second(spark, kafka,
         df.count()
         done[batch_id] = time.monotonic()
 
-    q = (read_stream(spark, kafka, gid(), "slow").writeStream.foreachBatch(process)
+    q = (read_stream(spark, kafka, kafka.group(gid()), w.topic).writeStream.foreachBatch(process)
          .option("checkpointLocation", str(tmp_path / "ck")).trigger(processingTime="60 seconds").start())
     try:
         wait_until(lambda: 0 in done, timeout=60, message="first batch never ran")
@@ -150,8 +149,9 @@ def test_long_processing_time_trigger_acknowledges_within_a_second(spark, kafka,
 def test_bad_verdicts_are_clear_errors(spark, kafka, tmp_path):
     w = Workload(kafka, "bad", partitions=1)
     w.produce(10)
+    topic = w.topic
     with pytest.raises(VerdictError, match="inside foreachBatch"):
-        spark_share.reject(spark.createDataFrame([Row(topic="bad", partition=0, offset=1)]))
+        spark_share.reject(spark.createDataFrame([Row(topic=topic, partition=0, offset=1)]))
     errors = {}
 
     def process(df, batch_id):
@@ -159,7 +159,8 @@ def test_bad_verdicts_are_clear_errors(spark, kafka, tmp_path):
             return
         for name, call in {
             "columns": lambda: spark_share.reject(df.select("value")),
-            "foreign": lambda: spark_share.reject([Row(topic="bad", partition=0, offset=999), Row(topic="bad", partition=0, offset=0)]),
+            "foreign": lambda: spark_share.reject([Row(topic=topic, partition=0, offset=999),
+                                                   Row(topic=topic, partition=0, offset=0)]),
             "both": lambda: (spark_share.reject(df.where("offset = 1")), spark_share.release(df.where("offset = 1"))),
         }.items():
             try:
@@ -168,27 +169,29 @@ def test_bad_verdicts_are_clear_errors(spark, kafka, tmp_path):
             except VerdictError as e:
                 errors[name] = str(e)
 
-    group = gid()
-    q = (read_stream(spark, kafka, group, "bad").writeStream.foreachBatch(process)
+    group = kafka.group(gid())
+    q = (read_stream(spark, kafka, group, topic).writeStream.foreachBatch(process)
          .option("checkpointLocation", str(tmp_path / "ck")).trigger(availableNow=True).start())
     assert q.awaitTermination(120)
     assert q.exception() is None
     assert "topic" in errors["columns"] and "offset" in errors["columns"]
-    assert "1 of 2 rows are not from batch 0" in errors["foreign"] and "bad-0@999" in errors["foreign"]
+    assert "1 of 2 rows are not from batch 0" in errors["foreign"] and f"{topic}-0@999" in errors["foreign"]
     assert "cannot be both rejected and released" in errors["both"]
     # The refused verdicts changed nothing: offset 1 was rejected once, the rest accepted; none come back.
-    assert drain_share_group(kafka.bootstrap_servers, group, ["bad"], timeout=3) == []
+    assert drain_share_group(kafka, group, [topic], timeout=3) == []
 
 
 @pytest.mark.parametrize("option,value,needle", [("deadLetterTopic", "no-such-topic", "deadLetterTopic"),
                                                  ("deadLetterPath", None, "deadLetterPath")])
 def test_bad_dead_letter_targets_fail_fast(spark, kafka, tmp_path, option, value, needle):
-    kafka.create_topic("src", 1)
+    topic = kafka.create_topic("src", 1)
     if value is None:
         f = tmp_path / "a-file"
         f.write_text("x")
         value = str(f / "sub")
-    q = (read_stream(spark, kafka, gid(), "src", **{option: value}).writeStream.format("noop")
+    else:
+        value = kafka.name(value)  # a topic that does not exist
+    q = (read_stream(spark, kafka, kafka.group(gid()), topic, **{option: value}).writeStream.format("noop")
          .option("checkpointLocation", str(tmp_path / "ck")).start())
     with pytest.raises(Exception, match=needle):
         q.awaitTermination(60)
