@@ -26,6 +26,8 @@ from resources import process_kind
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from clusters import ExternalCluster, parse_options  # noqa: E402
+
 from spark_share.embedded import EmbeddedKafka  # noqa: E402  (the repository, put on the path above)
 
 RAW_LOOP = r"""
@@ -62,61 +64,19 @@ print(json.dumps({"seconds": dt, "records": sum(got),
 class Embedded(EmbeddedKafka):
     """The embedded broker, as the benchmark uses a cluster."""
 
-    def create_topic(self, name: str, partitions: int = 1, replication_factor: int = 1) -> str:  # type: ignore[override]
-        super().create_topic(name, partitions)
-        return name
-
-    def start_group_at_earliest(self, group: str) -> None:
-        pass  # the embedded broker's share groups start at the earliest record (EmbeddedKafka's default)
+    def group(self, name: str) -> str:
+        return name  # the embedded broker's share groups start at the earliest record (EmbeddedKafka's default)
 
     def client(self) -> dict[str, str]:
         return {"bootstrap.servers": self.bootstrap_servers}
 
 
-class ExternalCluster:
-    """A cluster of yours (--bootstrap-servers, --kafka-option): topics get unique names and are
-    deleted afterwards; each share group is set to start at the earliest record (Admin API)."""
-
-    def __init__(self, bootstrap: str, options: dict[str, str]):
-        from confluent_kafka.admin import AdminClient
-
-        self.bootstrap_servers, self.options = bootstrap, options
-        self._admin = AdminClient(self.client())
-        self._topics: list[str] = []
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        if self._topics:
-            for f in self._admin.delete_topics(self._topics, operation_timeout=30).values():
-                try:
-                    f.result(60)
-                except Exception as e:
-                    print(f"(could not delete a benchmark topic: {e})")
-
-    def client(self) -> dict[str, str]:
-        return {"bootstrap.servers": self.bootstrap_servers, **self.options}
-
-    def create_topic(self, name: str, partitions: int = 1) -> str:
-        from confluent_kafka.admin import NewTopic
-
-        real = f"spark-share-bench-{name}-{uuid.uuid4().hex[:8]}"
-        self._admin.create_topics([NewTopic(real, partitions, -1)])[real].result(60)  # -1: the broker's replication
-        self._topics.append(real)
-        return real
-
-    def start_group_at_earliest(self, group: str) -> None:
-        from confluent_kafka.admin import AlterConfigOpType, ConfigEntry, ConfigResource, ResourceType
-
-        entry = ConfigEntry("share.auto.offset.reset", "earliest", incremental_operation=AlterConfigOpType.SET)
-        res = ConfigResource(ResourceType.GROUP, group, incremental_configs=[entry])
-        for f in self._admin.incremental_alter_configs([res]).values():
-            f.result(60)
-
-
 def cluster(args):
-    return ExternalCluster(args.bootstrap_servers, args.kafka_options) if args.bootstrap_servers else Embedded()
+    """A cluster of yours (jobs/clusters.py: topics and groups under a prefix of this run, deleted at the
+    end; each share group set to start at the earliest record), or a fresh embedded broker."""
+    if args.bootstrap_servers:
+        return ExternalCluster(args.bootstrap_servers, args.kafka_options, prefix="spark-share-bench")
+    return Embedded()
 
 
 def backlog(kafka, args, n: int, locks: int | None = None) -> str:
@@ -218,8 +178,7 @@ class CpuSampler:
 
 
 def raw_loop(kafka, topic, consumers, n):
-    group = f"raw-{uuid.uuid4().hex[:6]}"
-    kafka.start_group_at_earliest(group)
+    group = kafka.group(f"raw-{uuid.uuid4().hex[:6]}")
     cfg = {"client": kafka.client(), "group": group, "topic": topic, "consumers": consumers, "records": n}
     out = subprocess.run([sys.executable, "-c", RAW_LOOP], input=json.dumps(cfg) + "\n", capture_output=True,
                          text=True, timeout=600)
@@ -237,8 +196,7 @@ def _batch_end(p) -> float:
 def share_stream(spark, kafka, topic, group=None, **options):
     """readStream.format("kafka-share") on ``kafka`` (its client options as kafka.*), the group set
     to start at the earliest record."""
-    group = group or f"share-{uuid.uuid4().hex[:6]}"
-    kafka.start_group_at_earliest(group)
+    group = kafka.group(group or f"share-{uuid.uuid4().hex[:6]}")
     r = spark.readStream.format("kafka-share").option("kafka.group.id", group).option("subscribe", topic)
     for k, v in kafka.client().items():
         r = r.option("kafka." + k, v)
@@ -459,14 +417,17 @@ def main(argv=None):
                     "(topics are created with unique names and deleted; needs create/delete topic and alter group "
                     "config permissions)")
     ap.add_argument("--kafka-option", action="append", default=[], metavar="K=V",
-                    help="a client config for that cluster (security.protocol=SASL_SSL, ...); repeatable")
+                    help="a client config for that cluster (security.protocol=SASL_SSL, ...); repeatable; "
+                    "@FILE reads them from FILE, one per line (keeps credentials off the command line)")
     ap.add_argument("--skip", default="",
                     help="comma-separated sections to skip: throughput,ceiling,scaling,startup,batchsize,latency,idle,decode")
     args = ap.parse_args(argv)
-    bad = [o for o in args.kafka_option if "=" not in o]
-    if bad:
-        ap.error(f"--kafka-option takes K=V, not {bad[0]!r}")
-    args.kafka_options = dict(o.split("=", 1) for o in args.kafka_option)
+    args.kafka_options = {}
+    for i, o in enumerate(args.kafka_option, start=1):
+        try:  # errors name the option by its position: its value may be a credential
+            args.kafka_options.update(parse_options(o, f"--kafka-option number {i}", "--bootstrap-servers"))
+        except ValueError as e:
+            ap.error(str(e))
     skip = set(filter(None, args.skip.split(",")))
     os.makedirs(args.out, exist_ok=True)
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)

@@ -188,11 +188,13 @@ class EmbeddedKafka:
         return mc
 
     # topics ----------------------------------------------------------------------------
-    def create_topic(self, name: str, partitions: int = 1, replication_factor: int = 1) -> None:
+    def create_topic(self, name: str, partitions: int = 1, replication_factor: int = 1) -> str:
+        """Creates ``name`` and returns it (as a cluster of yours returns the unique name it chose)."""
         err = self._lib.rd_kafka_mock_topic_create(self._cluster(), name.encode(), partitions,
                                                    min(replication_factor, self.brokers))
         if err:
             raise EmbeddedKafkaError(f"could not create topic {name!r}: error code {err}")
+        return name
 
     # share-group settings (cluster-wide in the mock; session timeout and heartbeat apply to
     # groups created afterwards) ---------------------------------------------------------

@@ -1,4 +1,4 @@
-"""tests/brokers.py without a broker: the external-cluster mode against a fake Admin client (what it asks
+"""tests/brokers.py (and jobs/clusters.py under it) without a broker: the external-cluster mode against a fake Admin client (what it asks
 the cluster to create, configure and delete), the embedded-only skips, and the mode switch."""
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import warnings
 from concurrent.futures import Future
 from types import SimpleNamespace
 
+import clusters
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AlterConfigOpType, ResourceType
@@ -93,6 +94,7 @@ class FakeAdmin:
 @pytest.fixture
 def admin(monkeypatch):
     monkeypatch.setattr(brokers, "AdminClient", FakeAdmin)
+    monkeypatch.setattr(clusters, "AdminClient", FakeAdmin)
     return lambda: FakeAdmin.last
 
 
@@ -107,7 +109,7 @@ def test_topics_get_names_unique_to_the_test_and_the_brokers_replication(admin):
 
 
 def test_a_topic_that_does_not_show_in_the_metadata_is_an_error(admin, monkeypatch):
-    monkeypatch.setattr(brokers, "ADMIN_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(clusters, "ADMIN_TIMEOUT_S", 0.3)
     k = ExternalKafka("b:9092")
     admin().list_topics = lambda topic=None, timeout=-1: SimpleNamespace(topics={})
     with pytest.raises(ClusterError, match=r"did not show 2 partitions with leaders"):
@@ -148,8 +150,8 @@ def test_a_setting_the_broker_refuses_names_the_group_the_config_and_the_value(a
 
 
 def test_close_deletes_what_the_test_made_and_reports_what_it_could_not(admin, monkeypatch):
-    monkeypatch.setattr(brokers, "MEMBERS_LEAVE_S", 0.2)
-    monkeypatch.setattr(brokers, "MEMBERS_LEAVE_POLL_S", 0.01)
+    monkeypatch.setattr(clusters, "MEMBERS_LEAVE_S", 0.2)
+    monkeypatch.setattr(clusters, "MEMBERS_LEAVE_POLL_S", 0.01)
     k = ExternalKafka("b:9092", OPTIONS)
     t1, t2 = k.create_topic("a"), k.create_topic("b")
     g1, g2, g3, g4 = k.group("g1"), k.group("g2"), k.group("g3"), k.group("g4")
@@ -239,7 +241,7 @@ def test_option_values_never_reach_a_repr_or_an_error(admin, monkeypatch):
     def refuses(conf):  # librdkafka quotes a bad value in its error
         raise KafkaException(KafkaError(KafkaError._INVALID_ARG, f'Invalid value "{conf["sasl.password"]}"'))
 
-    monkeypatch.setattr(brokers, "AdminClient", refuses)
+    monkeypatch.setattr(clusters, "AdminClient", refuses)
     with pytest.raises(ClusterError, match=OPTIONS_VAR) as e:
         ExternalKafka("b:9092", OPTIONS)
     assert SECRET not in str(e.value)
@@ -249,7 +251,7 @@ def test_option_values_never_reach_a_repr_or_an_error(admin, monkeypatch):
 
 
 def test_an_admin_call_without_an_answer_fails_within_its_bound(admin, monkeypatch):
-    monkeypatch.setattr(brokers, "ADMIN_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(clusters, "ADMIN_TIMEOUT_S", 0.2)
     k = ExternalKafka("b:9092")
     admin().answers[("create", k.name("t"))] = Future()  # never answered
     with pytest.raises(ClusterError, match=r"creating topic .*: no answer from b:9092 within 0 s"):
@@ -299,7 +301,7 @@ def test_options_are_key_value_entries(tmp_path):
     ("=hunter2-secret", "entry 1 is not key=value"),
     ("kafka.sasl.password=hunter2-secret", "without 'kafka.'"),
     ("bootstrap.servers=hunter2-secret", BOOTSTRAP_VAR),
-    ("group.id=hunter2-secret", "each test names its own groups"),
+    ("group.id=hunter2-secret", "names its own groups"),
     ("@/no/such/file-hunter2-secret", "cannot read"),
 ])
 def test_malformed_options_are_named_by_position_never_by_value(text, needle):
