@@ -222,6 +222,9 @@ def share_run(spark, kafka, topic, slots, n, tmp, locks=None):
         end = time.perf_counter()
         wall_end = time.time()
         wall = end - t0
+    if q.exception() is not None or sum(p["numInputRows"] for p in q.recentProgress) < n:
+        raise RuntimeError(f"kafka-share read {sum(p['numInputRows'] for p in q.recentProgress):,} of the {n:,} "
+                           f"records of the backlog (query exception: {q.exception()})")
     prog = [p for p in q.recentProgress if p["numInputRows"]]
     # Query start -> its first batch with rows written; that batch's end -> the run's end.
     first_row_s = _batch_end(prog[0]) - wall0 if prog else None

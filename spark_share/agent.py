@@ -182,7 +182,7 @@ class Agent:
                     batch, slot, rows=rb.num_rows, session=session.session_id, acquired_at=holding.acquired_at,
                     offsets={t: {str(p): runs for p, runs in parts.items()} for t, parts in acquired.items()},
                     poison=poison, redelivered=_redelivered(rb), spark_batch=spark_batch,
-                    members=len(self.pool)), timeout=60)
+                    members=len(self.pool), timed_out=holding.timed_out), timeout=60)
             except BaseException:
                 if rb.num_rows:
                     session.release_all(30).result(35)

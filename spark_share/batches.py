@@ -66,6 +66,11 @@ class BatchState:
     def rows(self) -> int:
         return sum(a.get("rows", 0) for a in self.acquired.values())
 
+    @property
+    def timed_out(self) -> bool:
+        """Acquired nothing because its polls ran out of time: the broker did not say the queue was empty."""
+        return not self.rows and any(a.get("timed_out") for a in self.acquired.values())
+
     def min_offsets(self) -> dict[tuple[str, int], int]:
         """Lowest offset acquired per partition (offsets arrive as sorted [first, last] runs)."""
         out: dict[tuple[str, int], int] = {}

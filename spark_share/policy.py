@@ -15,8 +15,12 @@ from __future__ import annotations
 from collections import deque
 
 from .batches import BatchState
+from .errors import SourceError
 
 AVAILABLE_NOW_EMPTY_RETRIES = 5
+# How long an AvailableNow run waits for a broker that answers none of its polls (they run out of
+# time: a first fetch behind a big backlog, an assignment still to come) before it fails saying so.
+AVAILABLE_NOW_UNANSWERED_S = 120.0
 # Kafka's default group.share.record.lock.duration.ms. The client cannot read the group's value, so
 # the policy assumes this until a lock expiry shows it is shorter.
 DEFAULT_LOCK_MS = 30_000
@@ -51,6 +55,7 @@ class BatchPolicy:
         # Records this AvailableNow run gave back (released, failed or expired acks) and has not seen
         # again: an empty batch does not end the run while some are due (a few times, as above).
         self.redeliveries_due = 0
+        self.unanswered_since: float | None = None  # time.monotonic() of the first of the polls the broker answered none of
         # Set once an AvailableNow run has seen everything: one last batch without tasks acknowledges
         # the previous one and reports the totals in its progress, without an empty poll.
         self.closing = False
@@ -85,7 +90,7 @@ class BatchPolicy:
         """Is a batch after ``last`` (None: not known to this run) worth running? ``hw_version`` counts
         the changes of the high watermarks; ``now`` is ``time.monotonic()``."""
         if self.available_now_target is not None:
-            return self._available_now_goes_on(last)
+            return self._available_now_goes_on(last, now)
         if not self.planned_any:
             return True
         if last is not None and (last.rows or last.outcome.released or last.outcome.failed or last.outcome.expired):
@@ -96,12 +101,25 @@ class BatchPolicy:
             return True
         return now - self.last_plan_time >= self.idle_probe_ms / 1000.0
 
-    def _available_now_goes_on(self, last: BatchState | None) -> bool:
+    def _available_now_goes_on(self, last: BatchState | None, now: float) -> bool:
         if not self.planned_any:
             return True
         if self.closing:
             return False
         target = self.available_now_target or {}
+        if last is not None and last.timed_out and any(hw > 0 for hw in target.values()):
+            # The broker answered none of the polls (a first fetch behind a big backlog can outlast
+            # one): not an empty queue. Ending here would drain nothing of a full one; go on, for
+            # AVAILABLE_NOW_UNANSWERED_S at most.
+            self.unanswered_since = self.unanswered_since if self.unanswered_since is not None else now
+            if now - self.unanswered_since > AVAILABLE_NOW_UNANSWERED_S:
+                raise SourceError(
+                    f"Trigger.AvailableNow: the broker answered none of this run's polls for "
+                    f"{now - self.unanswered_since:.0f} s, with records below the start's high watermarks; "
+                    "nothing was skipped (they stay in the queue). Check the broker's health, or raise "
+                    "'pollTimeoutMs'")
+            return True
+        self.unanswered_since = None
         if last is None or last.rows == 0:
             # An empty poll can be a slow broker, not an empty queue: go on (a few times) while a
             # partition this run has been reading still has records below the start's watermark.

@@ -66,6 +66,7 @@ class Acquired(Message):
     redelivered: int = 0
     spark_batch: int | None = None
     members: int = 0  # the share consumers (group members) the reporting agent has
+    timed_out: bool = False  # nothing acquired because the poll ran out of time, not because the queue was empty
 
 
 @dataclass

@@ -54,6 +54,9 @@ class Holding:
     acquired: records.Acquired
     rows: int
     acquired_at: float  # time.time() of the poll's return; the broker's lock clock started earlier
+    # Empty because the poll ran out of time, not because a fetch came back without records: a slow
+    # broker (a first fetch behind a big backlog, an assignment still to come), not an empty queue.
+    timed_out: bool = False
 
 
 def _error_code(exc) -> tuple[int, str]:
@@ -264,6 +267,7 @@ class ShareSession:
         base: dict[str, int] = {}
         msgs: list = []
         rejoining = False
+        drained = False
         while True:
             left = max(0.0, deadline - time.monotonic())
             try:
@@ -275,7 +279,10 @@ class ShareSession:
                          self.session_id)
                 rejoining = True
                 continue
-            if msgs or time.monotonic() >= deadline or self._drained(started, base):
+            if msgs or time.monotonic() >= deadline:
+                break
+            if self._drained(started, base):
+                drained = True
                 break
         good = msgs
         if msgs and any(map(type(msgs[0]).error, msgs)):  # one C-level pass when, as nearly always, none has
@@ -288,7 +295,7 @@ class ShareSession:
         if max_records is not None and len(good) > max_records:
             good, excess = good[:max_records], good[max_records:]
         rb, acquired = records.to_record_batch(good, self.include_headers, self._only_topic)
-        holding = Holding(batch, slot, acquired, rb.num_rows, time.time())
+        holding = Holding(batch, slot, acquired, rb.num_rows, time.time(), timed_out=not msgs and not drained)
         if rb.num_rows:
             self.holding = holding
         if excess:

@@ -261,7 +261,7 @@ class Tracker:
         with self._lock:
             b = self.batches[m.batch]
             b.acquired[m.slot] = {"agent": self._agent_of(conn), "session": m.session, "rows": m.rows,
-                                  "acquired_at": m.acquired_at, "offsets": m.offsets}
+                                  "acquired_at": m.acquired_at, "offsets": m.offsets, "timed_out": m.timed_out}
             self.policy.acquired(m.offsets, m.redelivered)
             limit = self.opts.max_delivery_count
             for t, p, o, count in m.poison:

@@ -26,9 +26,10 @@ def test_polls_end_when_a_fetch_comes_back_empty_and_not_while_one_is_on_its_way
     try:
         for attempt in ("first", "later"):
             t0 = time.monotonic()
-            rb, _ = empty.poll(0, 0, None, 60_000).result(timeout=90)
+            rb, held = empty.poll(0, 0, None, 60_000).result(timeout=90)
             took = time.monotonic() - t0
             assert rb.num_rows == 0 and not empty.busy
+            assert not held.timed_out, "the broker said the queue is empty: not a poll that ran out of time"
             assert took < FIRST_POLL_MIN_MS / 1000.0, f"the {attempt} empty poll waited {took:.1f} s"
         rb, _ = full.poll(0, 0, None, 60_000).result(timeout=90)
         assert rb.num_rows == 5
@@ -39,6 +40,27 @@ def test_polls_end_when_a_fetch_comes_back_empty_and_not_while_one_is_on_its_way
     finally:
         empty.close().result(timeout=30)
         full.close().result(timeout=30)
+
+
+@pytest.mark.embedded_only("injects broker latency (set_broker_rtt)")
+def test_a_poll_that_runs_out_of_time_says_so(kafka, produce):
+    """A poll that ends on its timeout before the broker answered anything is not an empty queue: it
+    says so (an AvailableNow run goes on after it instead of ending with the queue still full)."""
+    topic, group = kafka.create_topic("slow", 1), kafka.group("slow")
+    produce(kafka, topic, 5)
+    conf = {**kafka.client(), "share.acknowledgement.mode": "explicit", "group.id": group}
+    kafka.set_broker_rtt(1, 3000)  # every answer 3 s late: the join, then the first fetch
+    session = ShareSession("t-slow", conf, [topic], False)
+    try:
+        rb, held = session.poll(0, 0, None, 500).result(timeout=30)
+        assert rb.num_rows == 0 and held.timed_out
+        kafka.set_broker_rtt(1, 0)
+        rb, held = session.poll(1, 0, None, 60_000).result(timeout=90)
+        assert rb.num_rows == 5 and not held.timed_out
+        assert session.acknowledge({}, 10).result(timeout=30).accepted == 5
+    finally:
+        kafka.set_broker_rtt(1, 0)
+        session.close().result(timeout=30)
 
 
 @pytest.mark.embedded_only("injects broker latency (set_broker_rtt); the session reset it guards against "

@@ -87,6 +87,24 @@ def test_available_now_drains_acknowledges_and_ends(spark, kafka, tmp_path):
     assert spark.read.parquet(out).count() == 600
 
 
+@pytest.mark.embedded_only("delays the broker's answers (error injection with a round-trip time)")
+def test_available_now_drains_a_queue_whose_broker_answers_later_than_its_polls_wait(spark, kafka, tmp_path):
+    """Polls that run out of time before the broker answers are not an empty queue: the run goes on
+    until it has what was there at its start. (It ended with 0 of 240,000 records when a first fetch
+    behind a big backlog outlasted the poll.) The first fetch of each consumer is answered 6 s late:
+    the first poll (5 s for a new member) and the next ones (pollTimeoutMs=300) run out of time."""
+    w = Workload(kafka, "late", partitions=2)
+    w.produce(200)
+    collector = BatchCollector()
+    kafka.push_broker_request_errors(1, "ShareFetch", [(0, 6000)] * 2)  # no error, 6 s late
+    q = run_available_now(spark, kafka, kafka.group(gid()), w.topic, collector, str(tmp_path / "ck"),
+                          pollTimeoutMs=300)
+    assert q.exception() is None
+    rows = [p["numInputRows"] for p in q.recentProgress]
+    assert rows[0] == 0, f"the first poll was answered in time ({rows}): the test proves nothing"
+    check_no_loss(w.ids, collector.ids)
+
+
 def test_consumers_outlive_killed_python_workers(spark, kafka, tmp_path):
     """Invariant 4: killing the Python workers that ran read() loses no consumer and no record."""
     w = Workload(kafka, "clicks", partitions=2)

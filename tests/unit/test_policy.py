@@ -1,9 +1,18 @@
 """The batch policy alone: when a batch runs, how big it may be, when AvailableNow ends (no Spark, no Kafka)."""
 import logging
 
+import pytest
+
 from spark_share.acks import log_batch
 from spark_share.batches import AckOutcome, BatchState
-from spark_share.policy import AVAILABLE_NOW_EMPTY_RETRIES, DEFAULT_LOCK_MS, GROW_AFTER_BATCHES, BatchPolicy
+from spark_share.errors import SourceError
+from spark_share.policy import (
+    AVAILABLE_NOW_EMPTY_RETRIES,
+    AVAILABLE_NOW_UNANSWERED_S,
+    DEFAULT_LOCK_MS,
+    GROW_AFTER_BATCHES,
+    BatchPolicy,
+)
 
 
 def batch(n, rows_by_partition=None, slots=2, max_records=None, **outcome) -> BatchState:
@@ -76,6 +85,40 @@ def test_available_now_retries_empty_polls_a_bounded_number_of_times_while_behin
     assert p.should_run(b0, 0, 0.0)
     runs = [p.should_run(batch(n), 0, 0.0) for n in range(1, AVAILABLE_NOW_EMPTY_RETRIES + 2)]
     assert runs == [True] * AVAILABLE_NOW_EMPTY_RETRIES + [False]
+
+
+def timed_out(n, slots=2) -> BatchState:
+    """A batch whose polls acquired nothing because they ran out of time (no fetch came back)."""
+    b = BatchState(n, slots, None)
+    for slot in range(slots):
+        b.acquired[slot] = {"agent": "a", "rows": 0, "offsets": {}, "timed_out": True}
+    return b
+
+
+def test_available_now_goes_on_while_its_first_polls_run_out_of_time_on_a_full_queue():
+    """A first fetch behind a big backlog can outlast a poll: ending the run then would drain nothing
+    (240,000 records on the embedded broker, pollTimeoutMs=300: the run ended with 0 rows). It goes
+    on while the broker answers none of its polls, for AVAILABLE_NOW_UNANSWERED_S, then fails saying so."""
+    p = available_now({("t", 0): 100_000, ("t", 1): 100_000})
+    assert p.should_run(None, 0, 0.0)
+    p.planned(0, 0.0)
+    assert timed_out(0).timed_out and not batch(0).timed_out
+    n = AVAILABLE_NOW_EMPTY_RETRIES * 4
+    assert all(p.should_run(timed_out(i), 0, float(i)) for i in range(n)), "not bounded by the empty retries"
+    b = batch(n, [(0, 9)])  # an answer at last
+    saw(p, b)
+    assert p.should_run(b, 0, float(n)) and p.unanswered_since is None
+    assert p.should_run(timed_out(n + 1), 0, 1000.0)
+    with pytest.raises(SourceError, match="answered none of this run's polls for 1[0-9]{2} s.*nothing was skipped"):
+        p.should_run(timed_out(n + 2), 0, 1000.0 + AVAILABLE_NOW_UNANSWERED_S + 1)
+
+
+def test_available_now_on_a_drained_queue_ends_after_its_first_empty_answer():
+    """Records below the start's watermarks that earlier runs acknowledged are never seen again: a poll
+    the broker answered empty ends the run at once, as before."""
+    p = available_now({("t", 0): 100_000})
+    p.planned(0, 0.0)
+    assert not p.should_run(batch(0), 0, 0.0)
 
 
 def test_available_now_waits_for_records_it_gave_back():

@@ -58,5 +58,5 @@ def test_dispatch_calls_the_one_handler_and_refuses_unknown_or_incomplete():
 def test_messages_are_plain_json_data():
     for m in protocol.TO_TRACKER + protocol.TRACKER_TO_AGENT + protocol.TASK_TO_AGENT:
         for f in dataclasses.fields(m):
-            assert f.type in {"int", "str", "float", "int | None", "str | None", "float | None", "list[list]",
+            assert f.type in {"int", "str", "float", "bool", "int | None", "str | None", "float | None", "list[list]",
                               "dict[str, dict[str, list[list[int]]]]"}, (m.op, f.name, f.type)
