@@ -18,8 +18,9 @@ from .batches import BatchState
 from .errors import SourceError
 
 AVAILABLE_NOW_EMPTY_RETRIES = 5
-# How long an AvailableNow run waits for a broker that answers none of its polls (they run out of
-# time: a first fetch behind a big backlog, an assignment still to come) before it fails saying so.
+# How long an AvailableNow run that has acquired nothing yet waits for a broker that answers none of
+# its polls (they run out of time: a first fetch behind a big backlog, an assignment still to come)
+# before it fails saying so.
 AVAILABLE_NOW_UNANSWERED_S = 120.0
 # Kafka's default group.share.record.lock.duration.ms. The client cannot read the group's value, so
 # the policy assumes this until a lock expiry shows it is shorter.
@@ -107,10 +108,12 @@ class BatchPolicy:
         if self.closing:
             return False
         target = self.available_now_target or {}
-        if last is not None and last.timed_out and any(hw > 0 for hw in target.values()):
-            # The broker answered none of the polls (a first fetch behind a big backlog can outlast
-            # one): not an empty queue. Ending here would drain nothing of a full one; go on, for
-            # AVAILABLE_NOW_UNANSWERED_S at most.
+        if last is not None and last.timed_out and not self.max_seen and any(hw > 0 for hw in target.values()):
+            # Nothing acquired yet, and the broker answered none of the polls (a first fetch behind a
+            # big backlog can outlast one): not an empty queue. Ending here would drain nothing of a
+            # full one; go on, for AVAILABLE_NOW_UNANSWERED_S at most. (Once records came, an empty
+            # batch is judged as below: on the embedded broker, members that join and leave on a
+            # cluster of hosts let later polls run out of time with the queue drained.)
             self.unanswered_since = self.unanswered_since if self.unanswered_since is not None else now
             if now - self.unanswered_since > AVAILABLE_NOW_UNANSWERED_S:
                 raise SourceError(

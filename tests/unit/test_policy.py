@@ -97,8 +97,9 @@ def timed_out(n, slots=2) -> BatchState:
 
 def test_available_now_goes_on_while_its_first_polls_run_out_of_time_on_a_full_queue():
     """A first fetch behind a big backlog can outlast a poll: ending the run then would drain nothing
-    (240,000 records on the embedded broker, pollTimeoutMs=300: the run ended with 0 rows). It goes
-    on while the broker answers none of its polls, for AVAILABLE_NOW_UNANSWERED_S, then fails saying so."""
+    (240,000 records on the embedded broker, pollTimeoutMs=300: the run ended with 0 rows). Until the
+    run has acquired something it goes on while the broker answers none of its polls, for
+    AVAILABLE_NOW_UNANSWERED_S, then fails saying so; after that, such a batch is an empty batch."""
     p = available_now({("t", 0): 100_000, ("t", 1): 100_000})
     assert p.should_run(None, 0, 0.0)
     p.planned(0, 0.0)
@@ -108,9 +109,16 @@ def test_available_now_goes_on_while_its_first_polls_run_out_of_time_on_a_full_q
     b = batch(n, [(0, 9)])  # an answer at last
     saw(p, b)
     assert p.should_run(b, 0, float(n)) and p.unanswered_since is None
-    assert p.should_run(timed_out(n + 1), 0, 1000.0)
+    runs = [p.should_run(timed_out(n + 1 + i), 0, float(n + 1 + i)) for i in range(AVAILABLE_NOW_EMPTY_RETRIES + 1)]
+    assert runs == [True] * AVAILABLE_NOW_EMPTY_RETRIES + [False], "once records came: the empty retries"
+
+
+def test_available_now_fails_when_the_broker_answers_no_poll_for_too_long():
+    p = available_now({("t", 0): 100_000})
+    p.planned(0, 0.0)
+    assert p.should_run(timed_out(0), 0, 1000.0)
     with pytest.raises(SourceError, match="answered none of this run's polls for 1[0-9]{2} s.*nothing was skipped"):
-        p.should_run(timed_out(n + 2), 0, 1000.0 + AVAILABLE_NOW_UNANSWERED_S + 1)
+        p.should_run(timed_out(1), 0, 1000.0 + AVAILABLE_NOW_UNANSWERED_S + 1)
 
 
 def test_available_now_on_a_drained_queue_ends_after_its_first_empty_answer():
