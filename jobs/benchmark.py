@@ -26,7 +26,7 @@ from resources import process_kind
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from clusters import ExternalCluster, parse_options  # noqa: E402
+from clusters import EmbeddedCluster, ExternalCluster, parse_options  # noqa: E402
 
 from spark_share.embedded import EmbeddedKafka  # noqa: E402  (the repository, put on the path above)
 
@@ -61,22 +61,12 @@ print(json.dumps({"seconds": dt, "records": sum(got),
 """
 
 
-class Embedded(EmbeddedKafka):
-    """The embedded broker, as the benchmark uses a cluster."""
-
-    def group(self, name: str) -> str:
-        return name  # the embedded broker's share groups start at the earliest record (EmbeddedKafka's default)
-
-    def client(self) -> dict[str, str]:
-        return {"bootstrap.servers": self.bootstrap_servers}
-
-
 def cluster(args):
     """A cluster of yours (jobs/clusters.py: topics and groups under a prefix of this run, deleted at the
     end; each share group set to start at the earliest record), or a fresh embedded broker."""
     if args.bootstrap_servers:
         return ExternalCluster(args.bootstrap_servers, args.kafka_options, prefix="spark-share-bench")
-    return Embedded()
+    return EmbeddedCluster()
 
 
 def backlog(kafka, args, n: int, locks: int | None = None) -> str:
@@ -280,7 +270,7 @@ def batch_size_sweep(spark, args, tmp, slots=2):
     for size in (5_000, 10_000, 20_000, 40_000, 80_000):
         locks = max(1, size // args.partitions)
         n = max(args.records, 3 * size)
-        with Embedded() as kafka:
+        with EmbeddedCluster() as kafka:
             ours = share_run(spark, kafka, backlog(kafka, args, n, locks), slots, n, tmp, locks=locks)
         full = [p for p in ours["phases"] if p["rows"]]
         floor = floor_run(spark, len(full), slots, max(1, n // max(1, len(full)) // slots), tmp)

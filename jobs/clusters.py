@@ -1,5 +1,6 @@
-"""A Kafka >= 4.2 cluster of the user's, for the tests (``SPARK_SHARE_TEST_BOOTSTRAP``) and the
-benchmark (``--bootstrap-servers``): what each creates there, under names of its own, and removes.
+"""The Kafka the tests and the benchmark run against: a fresh embedded broker, or a Kafka >= 4.2
+cluster of the user's (tests: ``SPARK_SHARE_TEST_BOOTSTRAP``; benchmark: ``--bootstrap-servers``),
+where each creates what it needs under names of its own, and removes it.
 
 Owns: unique names under one prefix per test or run, creating topics and setting share-group configs
 through the Admin API (the embedded broker's cluster-wide knobs are per-group configs on Kafka 4.2),
@@ -19,6 +20,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic, ResourceType
 
+from spark_share.embedded import EmbeddedKafka
 from spark_share.options import scrub
 
 ADMIN_TIMEOUT_S = 30.0  # every Admin API call's bound
@@ -48,6 +50,22 @@ def _until(done: Callable[[], bool], timeout: float, interval: float) -> None:
         if time.monotonic() >= deadline:
             raise AssertionError(f"not done within {timeout:.0f} s")
         time.sleep(interval)
+
+
+class EmbeddedCluster(EmbeddedKafka):
+    """The embedded broker behind the same interface as ``ExternalCluster``. A fresh broker belongs to
+    one test or benchmark run, so names are kept as they are."""
+
+    external = False
+
+    def name(self, name: str) -> str:
+        return name
+
+    def group(self, name: str) -> str:
+        return name  # the broker's groups start at the earliest record (EmbeddedKafka's default)
+
+    def client(self) -> dict[str, str]:
+        return {"bootstrap.servers": self.bootstrap_servers}
 
 
 class ExternalCluster:

@@ -22,12 +22,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import pytest
-from clusters import CleanupWarning, ClusterError, ExternalCluster, _reason  # noqa: F401 (CleanupWarning: for tests)
+from clusters import CleanupWarning, ClusterError, EmbeddedCluster, ExternalCluster, _reason  # noqa: F401 (CleanupWarning: for tests)
 from clusters import parse_options as _parse_options
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 
-from spark_share.embedded import EmbeddedKafka
 from spark_share.options import scrub
 
 BOOTSTRAP_VAR = "SPARK_SHARE_TEST_BOOTSTRAP"
@@ -45,20 +44,7 @@ def embedded_only(what: str):
     pytest.skip(f"needs the embedded broker's {what}: not available on an external cluster")
 
 
-class EmbeddedBroker(EmbeddedKafka):
-    """The embedded broker with the interface the tests use on either kind of cluster. A fresh broker
-    belongs to one test, so names are kept as they are."""
-
-    external = False
-
-    def name(self, name: str) -> str:
-        return name
-
-    def group(self, name: str) -> str:
-        return name  # the broker's groups start at the earliest record (EmbeddedKafka's default)
-
-    def client(self) -> dict[str, str]:
-        return {"bootstrap.servers": self.bootstrap_servers}
+EmbeddedBroker = EmbeddedCluster  # a fresh embedded broker per test
 
 
 class ExternalKafka(ExternalCluster):

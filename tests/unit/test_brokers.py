@@ -23,6 +23,7 @@ from brokers import (
     choose_broker,
     parse_options,
 )
+from spark_share.embedded import EmbeddedKafka
 
 SECRET = "pa55-w0rd;with=signs"
 OPTIONS = {"security.protocol": "SASL_SSL", "sasl.mechanism": "PLAIN", "sasl.username": "alice",
@@ -284,7 +285,7 @@ def test_the_mode_comes_from_the_environment(admin):
     k = external.open()
     assert isinstance(k, ExternalKafka) and k.client() == {"bootstrap.servers": "b1:9092,b2:9092",
                                                             "security.protocol": "SSL"}
-    assert issubclass(EmbeddedBroker, brokers.EmbeddedKafka) and not EmbeddedBroker.external
+    assert issubclass(EmbeddedBroker, EmbeddedKafka) and not EmbeddedBroker.external
 
 
 def test_options_are_key_value_entries(tmp_path):
