@@ -93,6 +93,7 @@ class ExternalKafka(ExternalCluster):
         embedded_only("request tracking")
         return 0  # not reached: skip raises
 
+
 class _LastLine(logging.Handler):
     def __init__(self):
         super().__init__()
