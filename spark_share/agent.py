@@ -166,7 +166,8 @@ class Agent:
             session, polled = self.pool.take(batch, max_records)
             try:
                 if polled is None:
-                    polled = session.poll(batch, slot, max_records, poll_budget(session, poll_timeout_ms))
+                    polled = session.poll(batch, slot, max_records, poll_budget(session, poll_timeout_ms),
+                                          claim.get("carry_ms"))
                 rb, holding = polled.result()
                 holding.batch, holding.slot = batch, slot
             except BaseException:
@@ -182,7 +183,7 @@ class Agent:
                     batch, slot, rows=rb.num_rows, session=session.session_id, acquired_at=holding.acquired_at,
                     offsets={t: {str(p): runs for p, runs in parts.items()} for t, parts in acquired.items()},
                     poison=poison, redelivered=_redelivered(rb), spark_batch=spark_batch,
-                    members=len(self.pool), timed_out=holding.timed_out), timeout=60)
+                    members=len(self.pool), timed_out=holding.timed_out, carried=session.carrying), timeout=60)
             except BaseException:
                 if rb.num_rows:
                     session.release_all(30).result(35)
@@ -221,7 +222,7 @@ class Agent:
 
     # tracker commands -----------------------------------------------------------------------
     def _on_prefetch(self, conn, m: Prefetch) -> dict:
-        return {"polling": self.pool.prefetch(m.batch, m.count, m.max_records, m.poll_timeout_ms)}
+        return {"polling": self.pool.prefetch(m.batch, m.count, m.max_records, m.poll_timeout_ms, m.carry_ms)}
 
     def _on_ack(self, conn, m: Ack) -> dict:
         return self._ack(m.batch, m.verdicts, m.default, m.timeout_s)

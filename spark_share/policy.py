@@ -26,6 +26,10 @@ AVAILABLE_NOW_UNANSWERED_S = 120.0
 # the policy assumes this until a lock expiry shows it is shorter.
 DEFAULT_LOCK_MS = 30_000
 LOCK_WARN_FRACTION = 0.8
+# Records a poll acquired beyond its batch's size are handed out by the session's next polls while
+# they are younger than this fraction of the lock (so their batch can still commit within it); older
+# ones are released at once rather than left to expire.
+CARRY_FRACTION = 0.5
 # After lock expiry lowered the records per consumer, this many batches in a row that held their
 # records for less than this fraction of the lock double it again: one slow batch (a pause, a
 # redeploy of the sink) must not leave a stream of tiny batches that can never catch up.
@@ -56,6 +60,9 @@ class BatchPolicy:
         # Records this AvailableNow run gave back (released, failed or expired acks) and has not seen
         # again: an empty batch does not end the run while some are due (a few times, as above).
         self.redeliveries_due = 0
+        # Records each share session acquired beyond a batch's size and hands out in a later batch: the
+        # stream is not idle, nor an AvailableNow run done, while any are carried.
+        self.carried: dict[tuple[str, str | None], int] = {}  # (agent, session) -> records
         self.unanswered_since: float | None = None  # time.monotonic() of the first of the polls the broker answered none of
         # Set once an AvailableNow run has seen everything: one last batch without tasks acknowledges
         # the previous one and reports the totals in its progress, without an empty poll.
@@ -94,7 +101,8 @@ class BatchPolicy:
             return self._available_now_goes_on(last, now)
         if not self.planned_any:
             return True
-        if last is not None and (last.rows or last.outcome.released or last.outcome.failed or last.outcome.expired):
+        if self.carrying or (last is not None and (last.rows or last.outcome.released or last.outcome.failed
+                                                   or last.outcome.expired)):
             self.idle = False
             return True
         self.idle = True
@@ -128,15 +136,15 @@ class BatchPolicy:
             # partition this run has been reading still has records below the start's watermark.
             self.empty_streak += 1
             behind = [tp for tp, seen in self.max_seen.items() if seen < target.get(tp, 0) - 1]
-            due = bool(behind) or self.redeliveries_due > 0
+            due = bool(behind) or self.redeliveries_due > 0 or self.carrying > 0
             return due and self.empty_streak <= AVAILABLE_NOW_EMPTY_RETRIES
         self.empty_streak = 0
         # Stop at once when every record below the start's watermarks has been seen (saves the empty
         # batch that would otherwise prove it), or once a batch brought only newer records.
-        if self.redeliveries_due == 0 and self.seen_all():
+        if self.redeliveries_due == 0 and not self.carrying and self.seen_all():
             self.closing = True
             return True
-        return any(lo < target.get(tp, 0) for tp, lo in last.min_offsets().items())
+        return self.carrying > 0 or any(lo < target.get(tp, 0) for tp, lo in last.min_offsets().items())
 
     def planned(self, hw_version: int, now: float) -> None:
         self.planned_any = True
@@ -176,8 +184,23 @@ class BatchPolicy:
         return [per_slot] * b.slots
 
     # --- what the batches report -------------------------------------------------------------------
-    def acquired(self, offsets: dict[str, dict[str, list]], redelivered: int) -> None:
-        """A slot acquired these offset runs (``{topic: {partition: [[first, last], ...]}}``)."""
+    @property
+    def carrying(self) -> int:
+        return sum(self.carried.values())
+
+    def forget_agent(self, agent: str) -> None:
+        for key in [k for k in self.carried if k[0] == agent]:
+            del self.carried[key]
+
+    def acquired(self, offsets: dict[str, dict[str, list]], redelivered: int,
+                 session: tuple[str, str | None] | None = None, carried: int = 0) -> None:
+        """A slot acquired these offset runs (``{topic: {partition: [[first, last], ...]}}``); its
+        session (agent, session id) carries ``carried`` more records for a later batch."""
+        if session is not None:
+            if carried:
+                self.carried[session] = carried
+            else:
+                self.carried.pop(session, None)
         for t, parts in offsets.items():
             for p, runs in parts.items():
                 k = (t, int(p))
@@ -218,6 +241,10 @@ class BatchPolicy:
             if self.batches_within_lock >= GROW_AFTER_BATCHES:
                 self.lock_safe_records *= 2
                 self.batches_within_lock = 0
+
+    @property
+    def carry_ms(self) -> float:
+        return CARRY_FRACTION * self.lock_ms
 
     def close_to_lock(self, held_ms: float | None) -> bool:
         return held_ms is not None and held_ms > LOCK_WARN_FRACTION * self.lock_ms

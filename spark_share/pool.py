@@ -24,10 +24,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("spark_share.agent")
 
-# A new share consumer must join the group before records flow (a heartbeat interval on a real
-# broker): its first poll may wait until it is this old, unless librdkafka reports earlier that it
-# joined and fetched (see ShareSession.poll), so an AvailableNow run does not end early.
-FIRST_POLL_MIN_MS = 5000
+# A new share consumer gets its partitions from the broker one heartbeat after it joins (Kafka's
+# group.share.heartbeat.interval.ms: 5 s by default, at most group.share.max.heartbeat.interval.ms,
+# 15 s by default): its first poll may wait until it is this old. It ends as soon as librdkafka reports
+# the consumer a steady member that fetched (see ShareSession.poll), so on a broker that assigns at
+# once it is short; a first batch of a Trigger.Once or AvailableNow run must not end before then.
+FIRST_POLL_MIN_MS = 20000
 # How long start() waits at most for its sessions to report that they joined (about 0.1 s on the
 # embedded broker: the first statistics after the join).
 JOIN_SETTLE_S = 1.0
@@ -126,7 +128,9 @@ class SessionPool:
         if want is None:
             return
         with self._lock:
-            free = self._free()
+            # A session carrying records (acquired beyond a batch's size) keeps its size until it has
+            # handed them out: closing it would release them, and every release counts as a delivery.
+            free = [s for s in self._free() if not s.carrying]
             shrink = any(s.max_poll_records > want for s in free)
             grow = len(free) == len(self.sessions) and any(s.max_poll_records < want for s in free)
             if not (shrink or grow):
@@ -138,7 +142,8 @@ class SessionPool:
         self.start(len(free), None if want == self.full_size else want)
         log.info("%s: batch size changed: polls now take at most %d records", self.name, want)
 
-    def prefetch(self, batch: int, count: int, max_records: int | None, poll_timeout_ms: int) -> int:
+    def prefetch(self, batch: int, count: int, max_records: int | None, poll_timeout_ms: int,
+                 carry_ms: float | None = None) -> int:
         """Start the polls of ``batch`` on up to ``count`` free sessions now, while Spark still
         writes its offsets and schedules the read tasks: the reads then find them done or under
         way. A poll no read of this batch claims is claimed by the next one (its records stay
@@ -147,11 +152,11 @@ class SessionPool:
             self._resize(max_records)
         with self._lock:
             if not self._joined:  # the tracker planned the batch while the sessions join: poll once they have
-                self._pending_prefetch = (batch, count, max_records, poll_timeout_ms)
+                self._pending_prefetch = (batch, count, max_records, poll_timeout_ms, carry_ms)
                 return 0
             chosen = sorted(self._free(max_records), key=lambda s: self._poll_order(s, batch))[:count]
             for s in chosen:
-                self._prefetched[s] = s.poll(batch, -1, max_records, poll_budget(s, poll_timeout_ms))
+                self._prefetched[s] = s.poll(batch, -1, max_records, poll_budget(s, poll_timeout_ms), carry_ms)
                 self._last_taken[s.session_id] = (batch, time.monotonic())
         return len(chosen)
 
@@ -159,11 +164,13 @@ class SessionPool:
         """Sessions no read holds, with no poll started ahead and nothing awaiting an acknowledgement
         (polls no bigger than ``max_records``, if given). Call with ``_lock`` held."""
         return [s for s in self.sessions if s not in self._reserved and not s.busy and s not in self._prefetched
-                and (max_records is None or s.max_poll_records <= max_records)]
+                and (max_records is None or s.max_poll_records <= max_records or s.carrying)]
 
-    def _poll_order(self, session, batch: int) -> tuple[bool, float]:
+    def _poll_order(self, session, batch: int) -> tuple[bool, bool, float]:
+        """Not yet polled in this batch first; among those, one carrying records (its poll hands them
+        out before their lock runs low), then the longest unpolled."""
         last_batch, when = self._last_taken.get(session.session_id, (-1, 0.0))
-        return last_batch == batch, when
+        return last_batch == batch, not session.carrying, when
 
     def _reserve(self, session, batch: int) -> None:
         self._reserved.add(session)

@@ -67,6 +67,7 @@ class Acquired(Message):
     spark_batch: int | None = None
     members: int = 0  # the share consumers (group members) the reporting agent has
     timed_out: bool = False  # nothing acquired because the poll ran out of time, not because the queue was empty
+    carried: int = 0  # records the session acquired beyond this slot's size: its next poll's records
 
 
 @dataclass
@@ -116,6 +117,7 @@ class Prefetch(Message):
     count: int
     max_records: int | None = None
     poll_timeout_ms: int = 1000
+    carry_ms: float | None = None  # records carried from an earlier poll may be handed out until this old
 
 
 @dataclass

@@ -1,7 +1,10 @@
 """One share consumer, driven by one thread, in explicit acknowledgement mode.
 
 Owns: a confluent-kafka ``ShareConsumer`` and the records it has acquired but not yet
-acknowledged (at most one poll's worth, which the client requires). Work arrives as commands
+acknowledged (at most one poll's worth, which the client requires). A poll may hand out more than a
+batch may take (the broker acquires whole record batches; librdkafka has no strict record limit,
+KIP-1206): the excess is carried, still acquired, and is what the session's next poll returns, so
+that no record is released (a release counts toward the delivery limit) to honour a batch's size. Work arrives as commands
 (poll, acknowledge, close) on a queue and runs in order on the session's own thread, so an
 acknowledgement queued before the next poll is always sent first. librdkafka's statistics (group
 state, fetches sent) tell an empty poll when it can stop waiting; while no command comes, the
@@ -26,6 +29,8 @@ from typing import Any
 
 from . import records
 from .batches import ACCEPT, REJECT, RELEASE, AckOutcome
+from .broker_errors import FailureWatch
+from .errors import SourceError
 
 log = logging.getLogger("spark_share.session")
 
@@ -96,6 +101,9 @@ class ShareSession:
         self.include_headers = include_headers
         self._only_topic = topics[0] if len(topics) == 1 else None
         self.holding: Holding | None = None
+        self._carried: list = []  # acquired by the last poll beyond its batch's size: the next poll's records
+        self._carried_at = 0.0  # time.time() of the poll that acquired them
+        self.released_carried = 0  # carried records given back because they grew too old
         self.polls = 0
         self.created_at = time.monotonic()
         self._scrub = scrub
@@ -113,6 +121,8 @@ class ShareSession:
         client_conf: dict[str, Any] = dict(conf)
         client_conf.setdefault("statistics.interval.ms", STATS_INTERVAL_MS)
         client_conf["stats_cb"] = self._on_stats
+        self._failures = FailureWatch(conf, scrub)
+        client_conf["error_cb"] = self._failures
         self.consumer = ShareConsumer(client_conf)
         try:
             self.consumer.subscribe(list(topics))
@@ -121,6 +131,11 @@ class ShareSession:
             raise
         self._thread = threading.Thread(target=self._run, name=f"share-session-{session_id}", daemon=True)
         self._thread.start()
+
+    @property
+    def carrying(self) -> int:
+        """Records acquired beyond a batch's size that this session's next poll returns."""
+        return len(self._carried)
 
     @property
     def busy(self) -> bool:
@@ -171,11 +186,13 @@ class ShareSession:
                 fut.set_exception(e)
 
     # commands ---------------------------------------------------------------------------
-    def poll(self, batch: int, slot: int, max_records: int | None, timeout_ms: int) -> Future:
+    def poll(self, batch: int, slot: int, max_records: int | None, timeout_ms: int,
+             carry_ms: float | None = None) -> Future:
         """Acquire one poll for (batch, slot). Result: (RecordBatch, Holding). Returns as soon as
         records arrive; empty once a fetch sent after the poll began came back without any (the
-        queue has nothing for this consumer now), or after ``timeout_ms``."""
-        return self._submit(lambda: self._poll(batch, slot, max_records, timeout_ms))
+        queue has nothing for this consumer now), or after ``timeout_ms``. Records carried from an
+        earlier poll come first, while younger than ``carry_ms`` (older ones are released)."""
+        return self._submit(lambda: self._poll(batch, slot, max_records, timeout_ms, carry_ms))
 
     def acknowledge(self, verdicts: dict[tuple[str, int, int], int], timeout_s: float) -> Future:
         """Acknowledge everything held: ACCEPT unless ``verdicts`` says otherwise. Result: AckOutcome."""
@@ -257,17 +274,62 @@ class ShareSession:
         # have returned its records).
         return bool(sent) and all(sent.get(b, 0) >= n + 2 for b, n in base.items())
 
-    def _poll(self, batch: int, slot: int, max_records: int | None, timeout_ms: int) -> tuple[Any, Holding]:
+    def _poll(self, batch: int, slot: int, max_records: int | None, timeout_ms: int,
+              carry_ms: float | None = None) -> tuple[Any, Holding]:
         if self.holding is not None:
             raise RuntimeError(f"session {self.session_id} still holds batch {self.holding.batch} "
                                f"slot {self.holding.slot}; it must be acknowledged first")
+        if self._carried and carry_ms is not None and (time.time() - self._carried_at) * 1000 > carry_ms:
+            self._release_carried()
+        if self._carried:
+            # Records a poll acquired beyond its batch's size: this poll's records, without asking the
+            # broker (the client allows no poll while any record of the last one is unacknowledged).
+            good, acquired_at = self._carried, self._carried_at
+            msgs, drained = good, True
+        else:
+            msgs, drained = self._fetch(timeout_ms)
+            acquired_at = time.time()
+            good = msgs
+            if msgs and any(map(type(msgs[0]).error, msgs)):  # one C-level pass when, as nearly always, none has
+                good = [m for m in msgs if m.error() is None]
+                for m in msgs:
+                    if m.error() is not None:
+                        log.warning("session %s: poll returned an error for %s-%s: %s", self.session_id,
+                                    m.topic(), m.partition(), self._scrub(str(m.error())))
+        self._carried = []
+        if max_records is not None and len(good) > max_records:
+            good, self._carried = good[:max_records], good[max_records:]
+            self._carried_at = acquired_at
+        rb, acquired = records.to_record_batch(good, self.include_headers, self._only_topic)
+        holding = Holding(batch, slot, acquired, rb.num_rows, acquired_at, timed_out=not msgs and not drained)
+        if rb.num_rows:
+            self.holding = holding
+        return rb, holding
+
+    def _release_carried(self) -> None:
+        """Give back carried records too old to be handed out within their lock: released now, they
+        are delivered again at once (left, they would expire, and come back later)."""
+        from confluent_kafka import AcknowledgeType
+
+        carried, self._carried = self._carried, []
+        for m in carried:
+            self.consumer.acknowledge(m, AcknowledgeType.RELEASE)
+        res = self.consumer.commit_sync(30.0)
+        bad = {f"{tp.topic}-{tp.partition}": str(e) for tp, e in (res or {}).items() if e is not None}
+        self.released_carried += len(carried)
+        log.info("session %s: released %d records a poll acquired beyond its batch, %.1f s ago: too old to be "
+                 "handed out within the record lock%s", self.session_id, len(carried), time.time() - self._carried_at,
+                 f" (failed for {bad})" if bad else "")
+
+    def _fetch(self, timeout_ms: int) -> tuple[list, bool]:
+        """One poll of the broker: (its messages, whether an empty answer means the queue has nothing
+        for this consumer now rather than that time ran out)."""
         self.polls += 1
         started = time.monotonic()
         deadline = started + timeout_ms / 1000.0
         base: dict[str, int] = {}
         msgs: list = []
         rejoining = False
-        drained = False
         while True:
             left = max(0.0, deadline - time.monotonic())
             try:
@@ -280,35 +342,11 @@ class ShareSession:
                 rejoining = True
                 continue
             if msgs or time.monotonic() >= deadline:
-                break
+                return msgs, False
+            if self._failures.failure:  # the broker refused this consumer: say so, not "no records"
+                raise SourceError(self._failures.failure)
             if self._drained(started, base):
-                drained = True
-                break
-        good = msgs
-        if msgs and any(map(type(msgs[0]).error, msgs)):  # one C-level pass when, as nearly always, none has
-            good = [m for m in msgs if m.error() is None]
-            for m in msgs:
-                if m.error() is not None:
-                    log.warning("session %s: poll returned an error for %s-%s: %s", self.session_id,
-                                m.topic(), m.partition(), self._scrub(str(m.error())))
-        excess = []
-        if max_records is not None and len(good) > max_records:
-            good, excess = good[:max_records], good[max_records:]
-        rb, acquired = records.to_record_batch(good, self.include_headers, self._only_topic)
-        holding = Holding(batch, slot, acquired, rb.num_rows, time.time(), timed_out=not msgs and not drained)
-        if rb.num_rows:
-            self.holding = holding
-        if excess:
-            # More than this batch may take (e.g. the batch size was just lowered): give the rest back now.
-            from confluent_kafka import AcknowledgeType
-
-            for m in excess:
-                self.consumer.acknowledge(m, AcknowledgeType.RELEASE)
-            res = self.consumer.commit_sync(30.0)
-            bad = {str(tp.topic) + "-" + str(tp.partition): str(e) for tp, e in (res or {}).items() if e is not None}
-            if bad:
-                log.warning("session %s: releasing %d excess records failed: %s", self.session_id, len(excess), bad)
-        return rb, holding
+                return msgs, True
 
     def _acknowledge(self, verdicts, default, timeout_s) -> AckOutcome:
         out = AckOutcome()
@@ -386,5 +424,6 @@ class ShareSession:
 
     def _close(self) -> None:
         self.holding = None
+        self._carried = []  # close() releases them with the rest
         self._consumer_closed = True
         self.consumer.close()

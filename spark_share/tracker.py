@@ -143,9 +143,12 @@ class Tracker:
         runtime.write_private_json(self._run_path, self._entry())
         self.policy.num_slots = opts.num_partitions or max(1, len(self.metadata.partitions))
         self.policy.partitions = max(1, len(self.metadata.partitions))
+        broker_locks, lock_ms = self.metadata.share_limits()
+        if lock_ms is not None:
+            self.policy.lock_ms = float(lock_ms)
         locks, said = opts.max_record_locks, "option maxRecordLocks"
         if locks is None:
-            locks, said = self.metadata.record_locks(), "the broker's group.share.partition.max.record.locks"
+            locks, said = broker_locks, "the broker's group.share.partition.max.record.locks"
         if locks is None:
             locks, said = DEFAULT_RECORD_LOCKS, "Kafka's default (the broker did not say; set maxRecordLocks)"
         self.policy.record_locks = locks
@@ -164,6 +167,9 @@ class Tracker:
                  self.policy.num_slots, *self.address)
         log.info("record locks per partition: %d, from %s: a batch holds at most %d records, %d per consumer",
                  locks, said, self.policy.lock_budget, self.policy.poll_size(None))
+        log.info("record lock duration: %.0f ms, %s", self.policy.lock_ms,
+                 "the group's share.record.lock.duration.ms" if lock_ms is not None
+                 else "Kafka's default (the broker did not say)")
 
     def _latest(self) -> BatchState | None:
         with self._lock:
@@ -235,7 +241,7 @@ class Tracker:
                 owner = None  # claimed but never acquired: no row of it reached Spark
             if owner is None:
                 b.claims[slot] = owner = agent_id
-        return {"owner": owner}
+        return {"owner": owner, "carry_ms": self.policy.carry_ms}
 
     def _refusal(self, batch: int, b: BatchState | None) -> str:
         """Why a read of ``batch`` may acquire nothing. Call with ``_lock`` held."""
@@ -262,7 +268,7 @@ class Tracker:
             b = self.batches[m.batch]
             b.acquired[m.slot] = {"agent": self._agent_of(conn), "session": m.session, "rows": m.rows,
                                   "acquired_at": m.acquired_at, "offsets": m.offsets, "timed_out": m.timed_out}
-            self.policy.acquired(m.offsets, m.redelivered)
+            self.policy.acquired(m.offsets, m.redelivered, (self._agent_of(conn), m.session), m.carried)
             limit = self.opts.max_delivery_count
             for t, p, o, count in m.poison:
                 b.verdicts[(t, int(p), int(o))] = (REJECT, f"deliveryCount {count} reached maxDeliveryCount {limit}")
@@ -343,6 +349,7 @@ class Tracker:
             with self._lock:
                 if self.agents.get(agent_id) is conn:
                     del self.agents[agent_id]
+                self.policy.forget_agent(agent_id)  # what it carried goes back to the group with its sessions
             if not self.stopping:
                 log.warning("agent %s disconnected; records it held go back to the share group", agent_id)
 
@@ -426,7 +433,8 @@ class Tracker:
         with self._lock:
             conns = list(self.agents.values())
         if len(conns) == 1:  # one agent per query run on a host
-            call_async(conns[0], Prefetch(b.batch, b.slots, self.slot_budgets(b)[0], self.opts.poll_timeout_ms))
+            call_async(conns[0], Prefetch(b.batch, b.slots, self.slot_budgets(b)[0], self.opts.poll_timeout_ms,
+                                          self.policy.carry_ms))
 
     def slot_budgets(self, b: BatchState) -> list[int | None]:
         return self.policy.slot_budgets(b)

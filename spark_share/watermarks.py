@@ -11,8 +11,10 @@ credential in an error.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
+from .broker_errors import FailureWatch
 from .errors import SourceError
 from .options import ShareSourceOptions, scrub
 
@@ -20,7 +22,19 @@ from .options import ShareSourceOptions, scrub
 # embedded broker any client's disconnect ends every share session: a broker stalled for a few
 # seconds must not be met with a short timeout here (the refresh runs off Spark's planning path).
 REFRESH_TIMEOUT_S = 15.0
+# The first metadata request at start is asked in slices this long: between two, the client's error
+# callback says whether authentication or TLS failed (librdkafka retries those for ever).
+CONNECT_SLICE_S = 2.0
 RECORD_LOCKS_CONFIG = "group.share.partition.max.record.locks"
+GROUP_LOCK_CONFIG = "share.record.lock.duration.ms"  # the group's own
+BROKER_LOCK_CONFIG = "group.share.record.lock.duration.ms"  # the default of groups that set none
+
+
+def _int(entry) -> int | None:
+    try:
+        return int(entry.value) if entry is not None and entry.value else None
+    except ValueError:
+        return None
 
 
 class MetadataWatcher:
@@ -33,18 +47,26 @@ class MetadataWatcher:
 
         self._opts = opts
         self._secrets = opts.secret_values()
+        config = opts.metadata_config()
+        failures = FailureWatch(config, lambda s: scrub(s, self._secrets))
         try:
-            self.client = Consumer(opts.metadata_config())
+            self.client = Consumer({**config, "error_cb": failures})
         except (KafkaException, ValueError, TypeError) as e:
             raise SourceError(scrub(f"invalid Kafka client configuration: {e}", self._secrets)) from None
-        try:
-            md = self.client.list_topics(timeout=timeout_s)
-        except KafkaException as e:
-            self.client.close()
-            raise SourceError(
-                f"could not reach the Kafka cluster at kafka.bootstrap.servers={opts.bootstrap_servers!r} "
-                f"within {timeout_s:.0f} s ({scrub(str(e.args[0]) if e.args else str(e), self._secrets)}); "
-                "check the address, the network and the security settings") from None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                md = self.client.list_topics(timeout=max(0.1, min(CONNECT_SLICE_S, deadline - time.monotonic())))
+                break
+            except KafkaException as e:
+                self.client.poll(0)  # serves the error callback: an authentication or TLS failure says so now
+                if failures.failure is None and time.monotonic() < deadline:
+                    continue
+                self.client.close()
+                raise SourceError(failures.failure or (
+                    f"could not reach the Kafka cluster at kafka.bootstrap.servers={opts.bootstrap_servers!r} "
+                    f"within {timeout_s:.0f} s ({scrub(str(e.args[0]) if e.args else str(e), self._secrets)}); "
+                    "check the address, the network and the security settings")) from None
         missing = [t for t in opts.topics if t not in md.topics or md.topics[t].error is not None]
         if missing:
             self.client.close()
@@ -62,22 +84,29 @@ class MetadataWatcher:
         self._thread = threading.Thread(target=self._loop, name="spark-share-watermarks", daemon=True)
         self._thread.start()
 
-    def record_locks(self, timeout_s: float = 10.0) -> int | None:
-        """The broker's ``group.share.partition.max.record.locks`` (records of a partition the group may
-        have in flight), or None when the cluster does not say (no DescribeConfigs permission; the
-        embedded broker does not implement it). Asked once, when the query starts."""
+    def share_limits(self, timeout_s: float = 10.0) -> tuple[int | None, int | None]:
+        """(the broker's ``group.share.partition.max.record.locks``: records of a partition the group
+        may have in flight; the group's record lock duration in ms: its ``share.record.lock.duration.ms``,
+        else the broker's ``group.share.record.lock.duration.ms``). None where the cluster does not say
+        (no DescribeConfigs permission; the embedded broker does not implement it). Asked once, when
+        the query starts."""
         from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
 
         if not self._brokers:
-            return None
+            return None, None
+        # Kept until close(): on the embedded broker a client's disconnect ends every share session.
+        self._admin = AdminClient(dict(self._opts.producer_config()))
+        broker = self._configs(ConfigResource(ResourceType.BROKER, str(self._brokers[0])), timeout_s)
+        if broker is None:  # the embedded broker, or no permission: the group will not answer either
+            return None, None
+        group = self._configs(ConfigResource(ResourceType.GROUP, self._opts.group_id), timeout_s) or {}
+        return (_int(broker.get(RECORD_LOCKS_CONFIG)),
+                _int(group.get(GROUP_LOCK_CONFIG)) or _int(broker.get(BROKER_LOCK_CONFIG)))
+
+    def _configs(self, resource, timeout_s: float) -> dict | None:
         try:
-            # Kept until close(): on the embedded broker a client's disconnect ends every share session.
-            self._admin = AdminClient(dict(self._opts.producer_config()))
-            futs = self._admin.describe_configs([ConfigResource(ResourceType.BROKER, str(self._brokers[0]))],
-                                                request_timeout=timeout_s)
-            configs = next(iter(futs.values())).result(timeout=timeout_s + 5)
-            entry = configs.get(RECORD_LOCKS_CONFIG)
-            return int(entry.value) if entry is not None and entry.value else None
+            futs = self._admin.describe_configs([resource], request_timeout=timeout_s)
+            return next(iter(futs.values())).result(timeout=timeout_s + 5)
         except Exception:
             return None
 

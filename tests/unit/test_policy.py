@@ -250,3 +250,25 @@ def test_records_taken_back_sooner_than_a_batch_that_kept_them_are_not_a_lock_ex
     with caplog.at_level(logging.WARNING, logger="spark_share.tracker"):
         log_batch(expired, "g", p)
     assert "800 records' locks expired" in caplog.text and "at most 200 records per consumer" in caplog.text
+
+
+def test_records_a_session_carries_keep_batches_running_until_handed_out():
+    """A poll bigger than its batch's size leaves records acquired in its session (carried to its next
+    poll): an AvailableNow run that has seen everything below the start does not end while any are
+    carried, nor does an idle stream skip the batch that hands them out; a lost agent's go back."""
+    p = BatchPolicy(num_slots=1, idle_probe_ms=10_000)
+    p.start_available_now({("t", 0): 300})
+    p.planned(0, 0.0)
+    p.acquired({"t": {"0": [[0, 299]]}}, 0, ("a", "s1"), carried=50)  # the poll took 350, the batch 300
+    assert p.seen_all() and p.carrying == 50
+    assert p.should_run(batch(0, [(0, 299)], slots=1), hw_version=0, now=1.0) and not p.closing
+    p.acquired({"t": {"0": [[300, 349]]}}, 0, ("a", "s1"), carried=0)
+    assert p.carrying == 0
+    assert p.should_run(batch(1, [(300, 349)], slots=1), hw_version=0, now=2.0) and p.closing
+
+    q = BatchPolicy(num_slots=1, idle_probe_ms=10_000)
+    q.planned(0, 0.0)
+    q.acquired({"t": {"0": [[0, 9]]}}, 0, ("a", "s1"), carried=5)
+    assert q.should_run(batch(1, [], slots=1), hw_version=0, now=1.0) and not q.idle
+    q.forget_agent("a")
+    assert not q.should_run(batch(2, [], slots=1), hw_version=0, now=2.0)

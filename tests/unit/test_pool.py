@@ -8,6 +8,7 @@ class FakeSession:
     def __init__(self, n):
         self.session_id = f"s{n}"
         self.busy = False
+        self.carrying = 0
         self.max_poll_records = 500
 
     def joined(self, timeout_s):
@@ -110,7 +111,7 @@ def test_a_prefetch_that_comes_while_the_sessions_join_polls_once_they_have():
             super().__init__(n)
             self.created_at = time.monotonic()
 
-        def poll(self, batch, slot, max_records, timeout_ms):
+        def poll(self, batch, slot, max_records, timeout_ms, carry_ms=None):
             polled.append((self.session_id, batch))
             f = Future()
             f.set_result(None)

@@ -89,3 +89,79 @@ def test_release_all_releases_every_held_record(session):
     out = s.release_all(5).result(5)
     assert consumer.acked == [(*r, RELEASE) for r in HELD]
     assert (out.released, out.accepted) == (25, 0)
+
+
+class PollingConsumer(FakeShareConsumer):
+    """Hands out ``polls`` (lists of messages) one per poll(), as a broker that acquires whole record
+    batches hands out more than max.poll.records."""
+
+    def __init__(self, conf, polls):
+        super().__init__(conf, set())
+        self.polls = list(polls)
+        self.poll_calls = 0
+
+    def poll(self, timeout):
+        self.poll_calls += 1
+        return self.polls.pop(0) if self.polls else []
+
+    def acknowledge(self, msg, kind):
+        self.acked.append((msg.topic(), msg.partition(), msg.offset(), kind))
+
+
+def test_a_poll_bigger_than_its_batch_carries_the_excess_to_the_next_batch_without_releasing_it(monkeypatch):
+    """The broker hands out 250 records to a poll that may take 100: the batch gets 100; the other 150
+    stay acquired and are the next two polls' records, served without asking the broker (the client
+    forbids a poll while any of the last one's records is unacknowledged). Nothing is released, so no
+    record's delivery count grows from the batch size."""
+    from test_records import Msg
+
+    made = []
+
+    def factory(conf):
+        made.append(PollingConsumer(conf, [[Msg("t", i % 2, i // 2, b"k", b"v") for i in range(250)]]))
+        return made[-1]
+    monkeypatch.setattr(confluent_kafka, "ShareConsumer", factory)
+    s = session_mod.ShareSession("carry", {"group.id": "g"}, ["t"], False)
+    try:
+        consumer = made[0]
+        sizes = []
+        for batch in range(1, 4):
+            rb, holding = s.poll(batch, 0, 100, 1000).result(5)
+            sizes.append(rb.num_rows)
+            assert s.carrying == max(0, 250 - sum(sizes))
+            s.acknowledge({}, 5).result(5)
+        assert sizes == [100, 100, 50] and consumer.poll_calls == 1
+        kinds = {kind for *_, kind in consumer.acked}
+        assert kinds == {ACCEPT} and len(consumer.acked) == 250 == len(set(consumer.acked))
+        assert consumer.commits == 3
+    finally:
+        s.close().result(5)
+
+
+def test_carried_records_too_old_for_the_lock_are_released_not_handed_out(monkeypatch):
+    """A poll acquired far more than its batch (the broker hands out whole record batches): what the next
+    polls cannot hand out while younger than the carry limit is released at once, before its lock
+    expires; the poll after that asks the broker again."""
+    from test_records import Msg
+
+    made = []
+
+    def factory(conf):
+        made.append(PollingConsumer(conf, [[Msg("t", 0, i, b"k", b"v") for i in range(1000)],
+                                           [Msg("t", 0, 1000, b"k", b"v")]]))
+        return made[-1]
+    monkeypatch.setattr(confluent_kafka, "ShareConsumer", factory)
+    s = session_mod.ShareSession("carry-old", {"group.id": "g"}, ["t"], False)
+    try:
+        consumer = made[0]
+        rb, _ = s.poll(1, 0, 100, 1000, carry_ms=10_000).result(5)
+        s.acknowledge({}, 5).result(5)
+        assert rb.num_rows == 100 and s.carrying == 900
+        s._carried_at -= 20  # the carried records are 20 s old now: past a 10 s carry limit
+        rb, holding = s.poll(2, 0, 100, 1000, carry_ms=10_000).result(5)
+        assert rb.num_rows == 1 and holding.acquired == {"t": {0: [[1000, 1000]]}} and s.carrying == 0
+        released = [off for _, _, off, kind in consumer.acked if kind == RELEASE]
+        assert released == list(range(100, 1000)) and s.released_carried == 900
+        assert consumer.poll_calls == 2
+    finally:
+        s.close().result(5)
