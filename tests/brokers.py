@@ -1,5 +1,7 @@
-"""The Kafka a test runs against: a fresh embedded broker per test (librdkafka's mock cluster, what CI
-runs), or a Kafka >= 4.2 cluster of the user's when ``SPARK_SHARE_TEST_BOOTSTRAP`` is set.
+"""The Kafka a test runs against: a fresh embedded broker per test (librdkafka's mock cluster), a real
+Kafka >= 4.2 broker the harness starts for the session from a start script the user names
+(``SPARK_SHARE_TEST_KAFKA_START``: tests/kafka_kit.py), or a Kafka >= 4.2 cluster of the user's when
+``SPARK_SHARE_TEST_BOOTSTRAP`` is set. CI runs the suite twice: embedded, then on the kit's broker.
 
 Owns: the one interface the tests use on either (``bootstrap_servers``, ``client()``, ``name()``,
 ``create_topic() -> the real name``, ``group() -> the real group id``, the share-group ``set_*``
@@ -27,6 +29,7 @@ from clusters import parse_options as _parse_options
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 
+from kafka_kit import START_VAR, KitCluster
 from spark_share.options import scrub
 
 BOOTSTRAP_VAR = "SPARK_SHARE_TEST_BOOTSTRAP"
@@ -49,13 +52,23 @@ EmbeddedBroker = EmbeddedCluster  # a fresh embedded broker per test
 
 class ExternalKafka(ExternalCluster):
     """A cluster of the user's as one test sees it (its own prefix); what only the embedded broker can
-    do skips the test."""
+    do skips the test. ``kit``: the broker the harness started (it can be restarted and killed), or
+    None for a cluster of the user's."""
 
-    def __init__(self, bootstrap_servers: str, options: Mapping[str, str] | None = None, prefix: str = PREFIX):
+    def __init__(self, bootstrap_servers: str, options: Mapping[str, str] | None = None, prefix: str = PREFIX,
+                 kit: KitCluster | None = None):
         try:
             super().__init__(bootstrap_servers, options, prefix)
         except ClusterError as e:  # the client refused the options: name where they came from
             raise ClusterError(f"{OPTIONS_VAR}: {e}") from None
+        self.kit = kit
+
+    def broker_kit(self) -> KitCluster:
+        """The broker the harness started, to stop, kill and restart; skips the test on a cluster of yours."""
+        if self.kit is None:
+            pytest.skip(f"restarts or kills the broker: needs one the harness starts ({START_VAR}), not a cluster "
+                        f"of yours ({BOOTSTRAP_VAR})")
+        return self.kit
 
     def set_max_record_locks(self, locks: int) -> None:
         embedded_only("per-test record lock limit (group.share.partition.max.record.locks is a broker config "
@@ -108,21 +121,39 @@ class _LastLine(logging.Handler):
 class BrokerChoice:
     """Which Kafka the integration tests run against, from the environment."""
 
-    bootstrap_servers: str | None = None  # None: a fresh embedded broker per test
+    bootstrap_servers: str | None = None  # None: a fresh embedded broker per test, or the kit's once started
     options: dict[str, str] = field(default_factory=dict, repr=False)  # may hold credentials
+    start_script: str | None = None  # the harness starts a real broker from it (SPARK_SHARE_TEST_KAFKA_START)
+    kit: KitCluster | None = field(default=None, repr=False, compare=False)
 
     @property
     def external(self) -> bool:
-        return self.bootstrap_servers is not None
+        """A real Kafka: the kit's broker or a cluster of the user's."""
+        return self.bootstrap_servers is not None or self.start_script is not None
 
     def describe(self) -> str:
         """One line for the session's start: the mode and the bootstrap, never an option's value."""
+        if self.start_script is not None:
+            return (f"spark-share brokers: a real Kafka broker started for this run from {self.start_script} "
+                    f"({START_VAR}); tests that need the embedded broker are skipped")
         if not self.external:
             return (f"spark-share brokers: embedded (librdkafka's mock cluster, a fresh one per test); "
-                    f"set {BOOTSTRAP_VAR} to run against a Kafka >= 4.2 cluster of yours")
+                    f"set {START_VAR} (a Kafka >= 4.2 start script) or {BOOTSTRAP_VAR} (a cluster of yours) "
+                    "to run on a real broker")
         return (f"spark-share brokers: the external cluster {self.bootstrap_servers} ({BOOTSTRAP_VAR}), "
                 f"{len(self.options)} client option(s) from {OPTIONS_VAR}; tests that need the embedded broker "
                 "are skipped")
+
+    def start(self) -> BrokerChoice:
+        """With a start script: the same choice with the broker started (close it with ``stop()``)."""
+        if self.start_script is None or self.kit is not None:
+            return self
+        kit = KitCluster(self.start_script).start()
+        return BrokerChoice(kit.bootstrap_servers, self.options, self.start_script, kit)
+
+    def stop(self) -> None:
+        if self.kit is not None:
+            self.kit.close()
 
     def check_reachable(self) -> None:
         """Fails within about REACHABLE_TIMEOUT_S, naming the variable, when no broker answers. The
@@ -156,14 +187,23 @@ class BrokerChoice:
 
     def open(self) -> EmbeddedBroker | ExternalKafka:
         """The broker of one test: close it (or use it as a context manager) after the test."""
-        return ExternalKafka(self.bootstrap_servers, self.options) if self.external else EmbeddedBroker()
+        if not self.external:
+            return EmbeddedBroker()
+        assert self.bootstrap_servers, "start() the broker first"
+        return ExternalKafka(self.bootstrap_servers, self.options, kit=self.kit)
 
 
 def choose_broker(env: Mapping[str, str] = os.environ) -> BrokerChoice:
+    """A cluster of yours (SPARK_SHARE_TEST_BOOTSTRAP) wins over a start script (SPARK_SHARE_TEST_KAFKA_START)."""
     bootstrap = env.get(BOOTSTRAP_VAR, "").strip()
-    if not bootstrap:
-        return BrokerChoice()
-    return BrokerChoice(bootstrap, parse_options(env.get(OPTIONS_VAR, "")))
+    if bootstrap:
+        return BrokerChoice(bootstrap, parse_options(env.get(OPTIONS_VAR, "")))
+    script = env.get(START_VAR, "").strip()
+    if script:
+        if not os.path.isfile(script):
+            raise ValueError(f"{START_VAR}={script}: no such file (a start script such as ../shared/kafka/bin/start.sh)")
+        return BrokerChoice(start_script=os.path.abspath(script))
+    return BrokerChoice()
 
 
 def parse_options(text: str) -> dict[str, str]:

@@ -1,7 +1,8 @@
 """Fixtures of the integration tests: one local Spark session (with kafka-share registered), the Kafka
-of one test (a fresh embedded broker, or with SPARK_SHARE_TEST_BOOTSTRAP set, uniquely named topics
-and groups on a cluster of yours: tests/brokers.py), and a long-lived producer of records with unique
-ids. Tests marked ``embedded_only`` are skipped on an external cluster, before any fixture runs."""
+of one test (a fresh embedded broker; or uniquely named topics and groups on a real broker the harness
+started from SPARK_SHARE_TEST_KAFKA_START, or on a cluster of yours with SPARK_SHARE_TEST_BOOTSTRAP:
+tests/brokers.py), and a long-lived producer of records with unique ids. Tests marked ``embedded_only``
+are skipped on a real broker, ``real_only`` on the embedded one, before any fixture runs."""
 from __future__ import annotations
 
 import os
@@ -25,14 +26,17 @@ def _broker_choice() -> BrokerChoice:
 
 
 def pytest_collection_modifyitems(config, items):
-    """On an external cluster, skip what needs the embedded broker, saying what it needs."""
-    if not _broker_choice().external:
-        return
+    """Skip what the run's broker cannot serve, saying why: ``embedded_only`` tests on a real Kafka
+    (error injection), ``real_only`` ones on the embedded broker (they assert what only real Kafka
+    promises, or run where the suite proves users' behaviour, once)."""
+    real = _broker_choice().external
     for item in items:
-        marker = item.get_closest_marker("embedded_only")
-        if marker is not None:
-            reason = marker.args[0] if marker.args else marker.kwargs.get("reason", "the embedded broker")
-            item.add_marker(pytest.mark.skip(reason=f"embedded broker only: {reason}"))
+        marker = item.get_closest_marker("real_only" if not real else "embedded_only")
+        if marker is None:
+            continue
+        reason = marker.args[0] if marker.args else marker.kwargs.get("reason", "")
+        where = "real Kafka only" if not real else "embedded broker only"
+        item.add_marker(pytest.mark.skip(reason=f"{where}: {reason}"))
 
 
 def pytest_collection_finish(session):
@@ -65,12 +69,15 @@ def spark():
 
 @pytest.fixture(scope="session")
 def broker_choice():
-    """Which Kafka the tests run against; an external cluster must answer first (checked once: a
-    cluster that does not answer fails the first test that needs it within seconds, and every later
-    one at once)."""
-    choice = _broker_choice()
-    choice.check_reachable()
-    return choice
+    """Which Kafka the tests run against (a broker from a start script is started here, once, and
+    stopped after the run); an external cluster must answer first (checked once: a cluster that does
+    not answer fails the first test that needs it within seconds, and every later one at once)."""
+    choice = _broker_choice().start()
+    try:
+        choice.check_reachable()
+        yield choice
+    finally:
+        choice.stop()
 
 
 @pytest.fixture

@@ -311,3 +311,22 @@ def test_malformed_options_are_named_by_position_never_by_value(text, needle):
     assert needle in str(e.value)
     if not text.startswith("@"):
         assert "hunter2-secret" not in str(e.value)
+
+
+def test_a_start_script_makes_the_run_real_and_a_cluster_of_yours_wins_over_it(tmp_path):
+    """SPARK_SHARE_TEST_KAFKA_START: the harness starts a real broker (not yet at collection: the run
+    is real, its bootstrap unknown); a missing script is an error naming the variable; with
+    SPARK_SHARE_TEST_BOOTSTRAP set too, the cluster of yours is used and nothing is started."""
+    from kafka_kit import START_VAR
+
+    script = tmp_path / "start.sh"
+    script.write_text("#!/bin/sh\n")
+    kit = choose_broker({START_VAR: str(script)})
+    assert kit.external and kit.start_script == str(script) and kit.bootstrap_servers is None
+    assert START_VAR in kit.describe() and str(script) in kit.describe()
+    with pytest.raises(ValueError, match=START_VAR):
+        choose_broker({START_VAR: str(tmp_path / "missing.sh")})
+    yours = choose_broker({START_VAR: str(script), BOOTSTRAP_VAR: "b:9092"})
+    assert yours.bootstrap_servers == "b:9092" and yours.start_script is None
+    assert yours.start() is yours, "a cluster of yours is never started"
+    assert START_VAR in choose_broker({}).describe(), "the embedded run says how to run on a real broker"
