@@ -15,6 +15,12 @@ The faults, at exponential random times, free to overlap: a Python worker, an ag
 runner SIGKILLed; the query stopped and restarted; foreachBatch raising after its write; the broker
 down and up; ShareFetch and ShareAcknowledge errors; a batch that outlives the record lock.
 
+``--kafka-start SCRIPT`` runs the same on a real Kafka >= 4.2 broker started from SCRIPT (the kit's
+interface, tests/kafka_kit.py; e.g. ../shared/kafka/bin/start.sh) instead of the embedded one. Its
+broker faults are a clean restart (``broker_restart``) and a SIGKILL then a start on the same data
+directory (``broker_kill``); error injection (``fetch_errors``, ``ack_errors``) and ``broker_down``
+exist only on the embedded broker.
+
 Exit 0 when: produced = written + rejected (nothing lost), every duplicate follows a fault, every
 query failure follows a fault, the share group is empty at the end, and no resource series of the
 query process and what it started keeps growing after warm-up. report.json, resources.json and
@@ -23,6 +29,7 @@ resources.png land in --out. The seed fixes the fault schedule; rerun with it to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -36,12 +43,15 @@ from dataclasses import asdict, dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # kafka_kit: the real broker of --kafka-start
 
 TOPIC, DLQ = "chaos", "chaos-dlq"
 KILLS = {"kill_worker": "python workers", "kill_agent": "agent", "kill_runner": "runner"}  # fault -> process kind
 COMMANDS = {"restart_query": "restart", "raise_in_batch": "raise", "slow_batch": "slow"}  # fault -> query command
 FAULTS = ("kill_worker", "kill_agent", "kill_runner", "restart_query", "raise_in_batch", "broker_down",
           "fetch_errors", "ack_errors", "slow_batch")
+REAL_FAULTS = ("kill_worker", "kill_agent", "kill_runner", "restart_query", "raise_in_batch", "broker_restart",
+               "broker_kill", "slow_batch")  # on a real broker (--kafka-start)
 # How long after it starts a fault can still make a batch's records come back, beyond its own
 # duration: a killed agent's locks expire, an injected error waits for the next request.
 EFFECT_S = 15.0
@@ -269,6 +279,27 @@ class Operator:
         return f"asked the query process to {what}"
 
     # broker faults ------------------------------------------------------------------------
+    def _broker_restart(self, f):
+        return self._real_broker_fault(f, kill=False)
+
+    def _broker_kill(self, f):
+        return self._real_broker_fault(f, kill=True)
+
+    def _real_broker_fault(self, f, kill: bool) -> str:
+        """A clean stop, or SIGKILL, of the real broker, then a start on the same data directory; the
+        fault lasts until the broker answers again."""
+        if not self._down.acquire(blocking=False):
+            f.ended = f.started
+            return "the broker is already down"
+        try:
+            node = self.kafka.nodes[0]
+            node.kill() if kill else node.stop()
+            node.start()
+        finally:
+            f.ended = time.time()
+            self._down.release()
+        return f"broker {'killed (SIGKILL)' if kill else 'stopped'} and back after {f.ended - f.started:.1f} s"
+
     def _broker_down(self, f):
         if not self._down.acquire(blocking=False):
             f.ended = f.started
@@ -341,6 +372,43 @@ def group_left(bootstrap: str, group: str, seconds: float = 12.0) -> int:
     return got
 
 
+@contextlib.contextmanager
+def _broker(args, group: str):
+    """The run's broker with its topics and the group's settings: the embedded one, or a real broker
+    started from ``--kafka-start`` (stopped and removed at the end)."""
+    if not args.kafka_start:
+        from spark_share.embedded import EmbeddedKafka
+
+        with EmbeddedKafka(record_lock_duration_ms=args.lock_ms, session_timeout_ms=6000) as kafka:
+            kafka.create_topic(TOPIC, args.partitions)
+            kafka.create_topic(DLQ, 1)
+            yield kafka
+        return
+    from confluent_kafka.admin import (
+        AdminClient,
+        AlterConfigOpType,
+        ConfigEntry,
+        ConfigResource,
+        NewTopic,
+        ResourceType,
+    )
+
+    from kafka_kit import KitCluster
+
+    with KitCluster(os.path.abspath(args.kafka_start)) as kit:
+        admin = AdminClient({"bootstrap.servers": kit.bootstrap_servers})
+        for f in admin.create_topics([NewTopic(TOPIC, args.partitions, 1), NewTopic(DLQ, 1, 1)],
+                                     operation_timeout=30).values():
+            f.result(60)
+        settings = {"share.auto.offset.reset": "earliest", "share.record.lock.duration.ms": str(args.lock_ms),
+                    "share.session.timeout.ms": "6000"}
+        resource = ConfigResource(ResourceType.GROUP, group, incremental_configs=[
+            ConfigEntry(k, v, incremental_operation=AlterConfigOpType.SET) for k, v in settings.items()])
+        for f in admin.incremental_alter_configs([resource]).values():
+            f.result(60)
+        yield kit
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -351,23 +419,27 @@ def main(argv=None) -> int:
     ap.add_argument("--mean-gap", type=float, default=12.0, help="mean seconds between faults (default 12)")
     ap.add_argument("--lock-ms", type=int, default=6000, help="record lock duration of the group (default 6000)")
     ap.add_argument("--partitions", type=int, default=4)
-    ap.add_argument("--faults", default=",".join(FAULTS), help=f"kinds to draw from (default all: {','.join(FAULTS)})")
+    ap.add_argument("--faults", default=None,
+                    help=f"kinds to draw from (default all: {','.join(FAULTS)}; with --kafka-start: "
+                         f"{','.join(REAL_FAULTS)})")
+    ap.add_argument("--kafka-start", default=None, metavar="SCRIPT",
+                    help="run on a real Kafka >= 4.2 broker started from this script (the kit's interface, "
+                         "e.g. ../shared/kafka/bin/start.sh) instead of the embedded broker")
     ap.add_argument("--sample-every", type=float, default=3.0, help="seconds between resource samples (default 3)")
     ap.add_argument("--warmup", type=float, default=None,
                     help="seconds before growth is judged (default: a third of the run, at most 300)")
     ap.add_argument("--drain-timeout", type=float, default=300.0,
                     help="seconds allowed after the faults end for every record to arrive (default 300)")
     args = ap.parse_args(argv)
-    kinds = tuple(k for k in args.faults.split(",") if k)
-    bad = set(kinds) - set(FAULTS)
+    known = REAL_FAULTS if args.kafka_start else FAULTS
+    kinds = tuple(k for k in (args.faults or ",".join(known)).split(",") if k)
+    bad = set(kinds) - set(known)
     if bad:
-        ap.error(f"--faults: unknown {sorted(bad)}; known: {', '.join(FAULTS)}")
+        ap.error(f"--faults: unknown {sorted(bad)} on this broker; known: {', '.join(known)}")
     seconds = args.minutes * 60
     warmup = args.warmup if args.warmup is not None else min(300.0, seconds / 3)
 
     import resources
-
-    from spark_share.embedded import EmbeddedKafka
 
     out = os.path.abspath(args.out)
     runtime = os.path.join(out, "runtime")
@@ -376,10 +448,9 @@ def main(argv=None) -> int:
     print(f"chaos: seed {args.seed}, {len(faults)} faults in {args.minutes:g} min: "
           + ", ".join(f"{k} {n}" for k, n in sorted(Counter(f.kind for f in faults).items())), flush=True)
     group = f"chaos-{args.seed}-{os.getpid()}"
-    report: dict = {"seed": args.seed, "minutes": args.minutes, "rate": args.rate, "lock_ms": args.lock_ms}
-    with EmbeddedKafka(record_lock_duration_ms=args.lock_ms, session_timeout_ms=6000) as kafka:
-        kafka.create_topic(TOPIC, args.partitions)
-        kafka.create_topic(DLQ, 1)
+    report: dict = {"seed": args.seed, "minutes": args.minutes, "rate": args.rate, "lock_ms": args.lock_ms,
+                    "broker": "real (" + args.kafka_start + ")" if args.kafka_start else "embedded"}
+    with _broker(args, group) as kafka:
         produced = Produced(kafka.bootstrap_servers, args.rate, args.partitions)
         dead = DeadLetters(kafka.bootstrap_servers, group + "-dlq-reader")
         sink = os.path.join(out, "sink.jsonl")

@@ -40,7 +40,8 @@ class Workload:
     def __init__(self, kafka, topic: str, partitions: int = 2, create: bool = True):
         self.topic = kafka.create_topic(topic, partitions) if create else topic
         self.partitions = partitions
-        self.producer = Producer({**kafka.client(), "linger.ms": 5,
+        # Idempotent on a real broker: a send retried across a broker restart must not write a record twice.
+        self.producer = Producer({**kafka.client(), "linger.ms": 5, "enable.idempotence": bool(kafka.external),
                                   "log_level": 2})  # quiet after the broker is gone: callbacks may outlive tests
         self.ids: list[int] = []
         self._next = 0
@@ -453,6 +454,24 @@ class ShareGroups:
         finally:
             for tpl in lists:
                 self.lib.rd_kafka_topic_partition_list_destroy(tpl)
+
+
+def broker_outage(kafka, seconds: float) -> threading.Thread:
+    """Take the test's broker away now and bring it back after ``seconds``, in the thread returned (join
+    it): the embedded broker's down/up, or a clean stop and a start, on the same data directory, of the
+    real broker the harness started (a cluster of yours skips the test)."""
+    if kafka.external:
+        node = kafka.broker_kit().nodes[0]
+        node.stop()
+        back = node.start
+    else:
+        kafka.broker_down(1)
+
+        def back():
+            kafka.broker_up(1)
+    t = threading.Timer(seconds, back)
+    t.start()
+    return t
 
 
 def run_available_now(spark, kafka, group, topics, foreach, ckpt, **options):

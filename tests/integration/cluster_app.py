@@ -100,6 +100,7 @@ def main(argv: list[str]) -> int:
             n = batch.count()  # first action
         (batch.select("key", "value", "topic", "partition", "offset", "deliveryCount")
          .withColumn("batch", F.lit(batch_id)).withColumn("run", F.lit(run["n"]))
+         .withColumn("task", F.spark_partition_id())
          .write.mode("append").parquet(out))  # second action: the batch is read again, maybe on another host
         crashed = os.path.join(shared, "crashed")
         if batch_id == args.crash_after_write and not os.path.exists(crashed):

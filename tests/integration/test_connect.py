@@ -162,10 +162,10 @@ def test_prompt_acknowledgement_and_status_from_the_client(remote, kafka, tmp_pa
     def process(batch, batch_id):
         import time as _time
 
-        batch.count()
+        rows = batch.count()
         os.makedirs(marks, exist_ok=True)
         with open(os.path.join(marks, f"{batch_id}.json"), "w") as f:
-            f.write(json.dumps({"batch": batch_id, "done": _time.time()}))
+            f.write(json.dumps({"batch": batch_id, "rows": rows, "done": _time.time()}))
 
     q = (_read(remote, kafka, kafka.group(gid()), w.topic).writeStream.foreachBatch(process)
          .option("checkpointLocation", str(tmp_path / "ck")).trigger(processingTime="60 seconds").start())
@@ -178,7 +178,9 @@ def test_prompt_acknowledgement_and_status_from_the_client(remote, kafka, tmp_pa
         assert status["tracker"] and status["batch"] == 0
         acked = wait_until(lambda: _acked_batch(remote, q, 0), timeout=5,
                            message="acknowledgements waited for the next trigger under Spark Connect")
-        assert acked["accepted"] == 100 and acked.get("expired", 0) == 0
+        # All 100 on one heartbeat; at Kafka's default 5 s heartbeat the second consumer's partition may
+        # come after the first batch, whose rows are then fewer (the rest wait 60 s for the next trigger).
+        assert acked["accepted"] == first["rows"] > 0 and acked.get("expired", 0) == 0, (acked, first)
         print(f"acknowledged {acked['ackedAt'] - first['done']:.2f} s after foreachBatch returned")
         assert acked["ackedAt"] - first["done"] < 2.0, acked
         assert progress["batchId"] == 0

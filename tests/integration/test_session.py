@@ -9,14 +9,13 @@ from spark_share.session import ShareSession
 from support import kafka_options
 
 
-@pytest.mark.embedded_only("the first empty poll must end within 5 s; a real broker assigns partitions only "
-                           "after a heartbeat interval (5 s by default)")
 def test_polls_end_when_a_fetch_comes_back_empty_and_not_while_one_is_on_its_way(kafka, produce):
     """A poll on an empty queue returns once a fetch sent after it began came back empty (the first
-    one also waits for the group join), long before its timeout; a poll on a queue with records
-    returns them rather than giving up."""
-    from spark_share.pool import FIRST_POLL_MIN_MS
-
+    one also waits for the group join: on real Kafka the partitions come one heartbeat after the join,
+    5 s by default), long before its timeout; a poll on a queue with records returns them rather than
+    giving up."""
+    # Kafka's default share heartbeat (5 s) and a fetch, on a real broker; at once on the embedded one.
+    first_bound = 5.0 + 3.0 if kafka.external else 5.0
     empty_topic = kafka.create_topic("empty", 1)
     full_topic = kafka.create_topic("full", 1)
     produce(kafka, full_topic, 5)
@@ -30,7 +29,8 @@ def test_polls_end_when_a_fetch_comes_back_empty_and_not_while_one_is_on_its_way
             took = time.monotonic() - t0
             assert rb.num_rows == 0 and not empty.busy
             assert not held.timed_out, "the broker said the queue is empty: not a poll that ran out of time"
-            assert took < FIRST_POLL_MIN_MS / 1000.0, f"the {attempt} empty poll waited {took:.1f} s"
+            print(f"the {attempt} empty poll ended after {took:.1f} s")
+            assert took < (first_bound if attempt == "first" else 5.0), f"the {attempt} empty poll waited {took:.1f} s"
         rb, _ = full.poll(0, 0, None, 60_000).result(timeout=90)
         assert rb.num_rows == 5
         # A session that found its queue empty still gets what arrives later.
