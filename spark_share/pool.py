@@ -24,12 +24,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("spark_share.agent")
 
-# A new share consumer gets its partitions from the broker one heartbeat after it joins (Kafka's
-# group.share.heartbeat.interval.ms: 5 s by default, at most group.share.max.heartbeat.interval.ms,
-# 15 s by default): its first poll may wait until it is this old. It ends as soon as librdkafka reports
-# the consumer a steady member that fetched (see ShareSession.poll), so on a broker that assigns at
-# once it is short; a first batch of a Trigger.Once or AvailableNow run must not end before then.
-FIRST_POLL_MIN_MS = 20000
+# A new share consumer must join the group before records flow: its first poll may wait until it is
+# this old, unless librdkafka reports earlier that it joined and fetched (see ShareSession.poll), so
+# an AvailableNow run does not end early. (A consumer still waiting for its partitions waits longer:
+# ShareSession.JOIN_WAIT_S.)
+FIRST_POLL_MIN_MS = 5000
 # How long start() waits at most for its sessions to report that they joined (about 0.1 s on the
 # embedded broker: the first statistics after the join).
 JOIN_SETTLE_S = 1.0

@@ -50,6 +50,13 @@ ERR_MAX_POLL_EXCEEDED = -147
 # on the session thread, as poll() does. At most about IDLE_SERVE_S * 1000 / STATS_INTERVAL_MS
 # statistics wait at any time.
 IDLE_SERVE_S = 1.0
+# A real broker gives a new member its partitions one heartbeat after it joins (Kafka's
+# group.share.heartbeat.interval.ms: 5 s by default, at most group.share.max.heartbeat.interval.ms,
+# 15 s by default); librdkafka reports the member "init", not "steady", until then. A poll of a
+# consumer that was never steady goes on past its own timeout until it is, for at most this long after
+# the consumer was created: a first batch (of a Trigger.Once run, say) must not end empty before the
+# broker has handed out any partition.
+JOIN_WAIT_S = 20.0
 
 
 @dataclass
@@ -94,7 +101,8 @@ class ShareSession:
     """A share consumer with its own thread. Methods return Futures."""
 
     def __init__(self, session_id: str, conf: dict[str, str], topics: list[str], include_headers: bool,
-                 scrub: Callable[[str], str] = lambda s: s, idle_serve_s: float = IDLE_SERVE_S):
+                 scrub: Callable[[str], str] = lambda s: s, idle_serve_s: float = IDLE_SERVE_S,
+                 join_wait_s: float = JOIN_WAIT_S):
         from confluent_kafka import ShareConsumer
 
         self.session_id = session_id
@@ -113,6 +121,8 @@ class ShareSession:
         self._stats: tuple[float, str] = (0.0, "")  # (when, text) of librdkafka's latest statistics
         self._parsed: tuple[float, tuple[float, tuple[bool, dict[str, int]] | None]] = (0.0, (0.0, None))
         self._idle_serve_s = idle_serve_s
+        self._steady = False  # librdkafka has reported this consumer a steady member (with its assignment)
+        self._join_wait_s = join_wait_s
         self._idle_served_at = time.monotonic()  # the last time the idle session served librdkafka's queue
         self.idle_serves = 0
         self._consumer_closed = False
@@ -158,6 +168,8 @@ class ShareSession:
         if self._parsed[0] != when:  # an empty poll looks every POLL_SLICE_S: parse each text once
             self._parsed = (when, _parse_stats(text))
         stamped, state = self._parsed[1]
+        if state is not None:
+            self._steady = True
         return state if stamped > since else None
 
     def _submit(self, fn: Callable) -> Future:
@@ -327,13 +339,14 @@ class ShareSession:
         self.polls += 1
         started = time.monotonic()
         deadline = started + timeout_ms / 1000.0
+        joined_by = self.created_at + self._join_wait_s
         base: dict[str, int] = {}
         msgs: list = []
         rejoining = False
         while True:
             left = max(0.0, deadline - time.monotonic())
             try:
-                msgs = list(self.consumer.poll(min(left, POLL_SLICE_S)))
+                msgs = list(self.consumer.poll(POLL_SLICE_S if not left and not self._steady else min(left, POLL_SLICE_S)))
             except Exception as e:
                 if _error_code(e)[0] != ERR_MAX_POLL_EXCEEDED or rejoining:
                     raise
@@ -341,7 +354,8 @@ class ShareSession:
                          self.session_id)
                 rejoining = True
                 continue
-            if msgs or time.monotonic() >= deadline:
+            now = time.monotonic()
+            if msgs or (now >= deadline and (self._steady or now >= joined_by)):
                 return msgs, False
             if self._failures.failure:  # the broker refused this consumer: say so, not "no records"
                 raise SourceError(self._failures.failure)

@@ -58,6 +58,34 @@ class Workload:
         return new
 
 
+class PacedProducer:
+    """A workload's producer on its own thread: ``n`` records every ``every`` seconds until ``stop()``,
+    which returns what it raised (a stream's steady input while a test injects faults)."""
+
+    def __init__(self, workload: Workload, n: int, every: float):
+        self.workload, self.n, self.every = workload, n, every
+        self._stop = threading.Event()
+        self.errors: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, name="paced-producer", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(self.every):  # the pace, not synchronisation
+                self.workload.produce(self.n)
+        except BaseException as e:  # reported by stop()
+            self.errors.append(e)
+
+    def start(self) -> PacedProducer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> list[BaseException]:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(60)
+        return self.errors
+
+
 def ids_of(rows: Iterable) -> list[int]:
     return [json.loads(bytes(r["value"]))["id"] for r in rows]
 

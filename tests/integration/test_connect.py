@@ -426,7 +426,7 @@ def test_verdicts_find_their_batch_by_connect_session(kafka):
     try:
         for n in (0, 1):
             t.plan(n, None)
-            assert t._claim(conn, Claim(n, 0, connect_session=mine)) == {"owner": "a1"}
+            assert t._claim(conn, Claim(n, 0, connect_session=mine))["owner"] == "a1"
             t._acquired(conn, Acquired(n, 0, rows=5, offsets={topic: {"0": [[n * 5, n * 5 + 4]]}}))
         assert t._verdicts(conn, Verdicts(None, "reject", [[topic, 0, 7]], "bad", connect_session=other)) \
             == {"match": False}

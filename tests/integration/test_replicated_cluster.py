@@ -6,14 +6,13 @@ Nothing is lost; a record comes twice only as the same record (topic, partition,
 again; records produced after each kill arrive within a record lock duration."""
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 
 from brokers import ExternalKafka
 from kafka_kit import KitCluster
-from support import BatchCollector, Workload, check_no_loss, gid, read_stream, wait_until
+from support import BatchCollector, PacedProducer, Workload, check_no_loss, gid, read_stream, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_only("starts a three-node cluster of the kit")]
 
@@ -40,20 +39,10 @@ def test_each_node_killed_in_turn_under_a_running_query(spark, three_nodes, tmp_
         w = Workload(kafka, "replicated", partitions=4)
         group = kafka.group(gid())
         collector = BatchCollector()
-        stop = threading.Event()
-        errors: list[BaseException] = []
-
-        def producer():
-            try:
-                while not stop.wait(0.25):  # paces the producer: 40 records every 0.25 s
-                    w.produce(40)
-            except BaseException as e:  # noqa: BLE001 (reported by the test)
-                errors.append(e)
-
         w.produce(400)
         q = (read_stream(spark, kafka, group, w.topic).writeStream.foreachBatch(collector)
              .option("checkpointLocation", str(tmp_path / "ck")).trigger(processingTime="1 second").start())
-        feeder = threading.Thread(target=producer, name="paced-producer", daemon=True)
+        feeder = PacedProducer(w, 40, 0.25)
         recoveries = []
         try:
             wait_until(lambda: collector.has_all(w.ids[:400]) or not q.isActive, timeout=120,
@@ -73,14 +62,12 @@ def test_each_node_killed_in_turn_under_a_running_query(spark, three_nodes, tmp_
                            interval=0.2, message=f"records produced after node {node_id} was killed did not arrive")
                 recoveries.append((node_id, time.monotonic() - killed))
                 node.start()
-            stop.set()
-            feeder.join(60)
-            assert not errors, errors
+            assert not feeder.stop()
             wait_until(lambda: collector.has_all(w.ids) or not q.isActive, timeout=180,
                        message="not every record arrived after the nodes came back")
             assert q.isActive and q.exception() is None, q.exception()
         finally:
-            stop.set()
+            feeder.stop()
             q.stop()
         report = check_no_loss(w.ids, collector.ids, duplicates_reason="acknowledgements a broker's death cut off")
         where: dict[bytes, tuple] = {}

@@ -71,11 +71,29 @@ def test_an_idle_session_serves_the_queue_on_its_thread_without_polling(fake_con
 
 def test_a_failing_serve_does_not_end_the_session_thread(fake_consumer, monkeypatch):
     monkeypatch.setattr(FakeShareConsumer, "commit_async", lambda self: (self._call("commit_async"), 1 / 0))
-    s = session_mod.ShareSession("failing", {"group.id": "g"}, ["t"], False, idle_serve_s=0.05)
+    s = session_mod.ShareSession("failing", {"group.id": "g"}, ["t"], False, idle_serve_s=0.05,
+                                  join_wait_s=0)  # a fake consumer never joins a group
     try:
         c = fake_consumer[0]
         wait_until(lambda: c.count("commit_async") >= 2, timeout=10, message="the idle session never served its queue")
         rb, _ = s.poll(0, 0, None, 0).result(timeout=10)
         assert rb.num_rows == 0 and c.count("poll") >= 1
+    finally:
+        s.close().result(timeout=10)
+
+
+def test_a_poll_of_a_consumer_that_never_joined_waits_past_its_timeout_for_the_join(fake_consumer):
+    """A real broker hands a new member its partitions one heartbeat after the join (5 s by default);
+    until librdkafka reports the consumer steady, its poll goes on past its own timeout (up to
+    join_wait_s after the consumer was created), so a first batch does not end empty for that alone."""
+    import time
+
+    s = session_mod.ShareSession("joining", {"group.id": "g"}, ["t"], False, join_wait_s=0.6)
+    try:
+        t0 = time.monotonic()
+        rb, held = s.poll(0, 0, None, 0).result(timeout=10)
+        took = time.monotonic() - t0
+        assert rb.num_rows == 0 and held.timed_out
+        assert 0.4 <= took < 5, f"the never-joined consumer's poll took {took:.2f} s, its join wait 0.6 s"
     finally:
         s.close().result(timeout=10)
