@@ -1,8 +1,10 @@
 """When a batch runs and how big it may be: the source's batch policy, in memory only.
 
 Owns: whether a batch after the last one is worth running (default and processingTime triggers: it
-brought records or gave some back, the high watermarks moved, or the idle probe is due; AvailableNow:
-until every record below the start's high watermarks was seen and nothing given back is still due),
+brought records or gave some back, a session still carries records a poll acquired beyond its batch,
+the high watermarks moved, or the idle probe is due; AvailableNow: until every record below the
+start's high watermarks was seen and nothing given back or carried is still due), how long carried
+records may wait (a fraction of the lock),
 how many read slots a batch gets and how many records each may take (its share of the lock budget
 and of ``maxRecordsPerTrigger``, halved per consumer whenever a batch outlived the record lock), and
 what it knows of the lock.

@@ -4,7 +4,8 @@ Owns: a confluent-kafka ``ShareConsumer`` and the records it has acquired but no
 acknowledged (at most one poll's worth, which the client requires). A poll may hand out more than a
 batch may take (the broker acquires whole record batches; librdkafka has no strict record limit,
 KIP-1206): the excess is carried, still acquired, and is what the session's next poll returns, so
-that no record is released (a release counts toward the delivery limit) to honour a batch's size. Work arrives as commands
+that no record is released (a release counts toward the delivery limit) to honour a batch's size,
+unless it grew too old to be handed out within its lock. Work arrives as commands
 (poll, acknowledge, close) on a queue and runs in order on the session's own thread, so an
 acknowledgement queued before the next poll is always sent first. librdkafka's statistics (group
 state, fetches sent) tell an empty poll when it can stop waiting; while no command comes, the
@@ -345,8 +346,9 @@ class ShareSession:
         rejoining = False
         while True:
             left = max(0.0, deadline - time.monotonic())
+            wait = min(left, POLL_SLICE_S) if left or self._steady else POLL_SLICE_S  # not joined: wait on
             try:
-                msgs = list(self.consumer.poll(POLL_SLICE_S if not left and not self._steady else min(left, POLL_SLICE_S)))
+                msgs = list(self.consumer.poll(wait))
             except Exception as e:
                 if _error_code(e)[0] != ERR_MAX_POLL_EXCEEDED or rejoining:
                     raise
