@@ -126,7 +126,8 @@ class Agent:
         conf = dict(self._consumer_config)
         if max_poll_records is not None:
             conf["max.poll.records"] = str(max_poll_records)
-        return ShareSession(sid, conf, self.config["topics"], self._keep_headers, scrub=self._scrub)
+        return ShareSession(sid, conf, self.config["topics"], self._keep_headers, scrub=self._scrub,
+                            held_elsewhere=self.pool.held_elsewhere)
 
     # read tasks ----------------------------------------------------------------------------
     def _on_read(self, conn, m: Read):

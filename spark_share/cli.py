@@ -4,8 +4,9 @@
                        [--max-delivery N] [--auto-offset-reset earliest|latest]
     spark-share produce --bootstrap-servers S --topic T [--count N] [--rate R] [--malformed F]
     spark-share demo [args]          (arguments are passed to spark_share.demo.main)
+    spark-share status [--json]      (the queries running on this host, from their trackers)
 
-Owns: argument parsing and the three subcommands. ``broker`` runs the embedded broker in the
+Owns: argument parsing and the four subcommands. ``broker`` runs the embedded broker in the
 foreground: it prints ``bootstrap.servers=<value>`` as its first line (for scripts), then a line
 for humans, and runs until SIGINT/SIGTERM. Subcommands live in ``COMMANDS`` (name -> (help,
 add-arguments, run)), so adding one is one entry.
@@ -156,6 +157,45 @@ def _demo(args: argparse.Namespace) -> int:
     return int(demo.main(rest) or 0)
 
 
+# --- status ---------------------------------------------------------------------------------
+def _status_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print each tracker's whole status() as JSON")
+
+
+def _status(args: argparse.Namespace) -> int:
+    """One line per kafka-share query running on this host (its tracker, from the registry), without
+    touching the query: members per host, records in flight, the backlog estimate, the last batch."""
+    import json
+
+    from .client import trackers_on_this_host
+    from .protocol import Status, call
+
+    conns = trackers_on_this_host()
+    if not conns:
+        print("no kafka-share query runs on this host (as this user)")
+        return 0
+    for conn in conns:
+        try:
+            st, _ = call(conn, Status(), timeout=30)
+        except Exception as e:  # the query ended meanwhile
+            print(f"a tracker did not answer: {type(e).__name__}: {e}", file=sys.stderr)
+            continue
+        finally:
+            conn.close()
+        if args.json:
+            print(json.dumps(st, sort_keys=True))
+            continue
+        last = st.get("lastAcked") or {}
+        hosts = ", ".join(f"{h} {v['members']}" for h, v in sorted((st.get("hosts") or {}).items())) or "-"
+        print(f"query {st.get('query') or '-'} (tracker {st['tracker']}): batch {st['batch']}, in flight {st['inflightRecords']}, "
+              f"backlog estimate {st.get('backlogEstimate', '-')}, members per host: {hosts}; "
+              f"last batch {last.get('batch', '-')}: acquired {last.get('acquired', 0)}, "
+              f"accepted {last.get('accepted', 0)}, held {last.get('holdMs', '-')} ms; totals: acquired "
+              f"{st['acquired']}, accepted {st['accepted']}, rejected {st['rejected']}, released "
+              f"{st['released']}, expired {st['expired']}, failed {st['failed']}")
+    return 0
+
+
 # --- main -----------------------------------------------------------------------------------
 Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 COMMANDS: dict[str, Command] = {
@@ -163,6 +203,8 @@ COMMANDS: dict[str, Command] = {
     "produce": ("produce JSON order records (some malformed, if asked) for manual tests", _produce_args,
                 _produce),
     "demo": ("run the demo job on the embedded broker (see 'spark-share demo --help')", _demo_args, _demo),
+    "status": ("one line per kafka-share query running on this host: members, in flight, backlog, last batch",
+               _status_args, _status),
 }
 # Subcommands whose arguments (including --help) belong to the code they call.
 _PASS_THROUGH = {"demo"}

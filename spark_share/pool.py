@@ -175,6 +175,10 @@ class SessionPool:
         self._reserved.add(session)
         self._last_taken[session.session_id] = (batch, time.monotonic())
 
+    def held_elsewhere(self, session: ShareSession) -> bool:
+        """Does a session other than ``session`` hold records (their lock runs while a batch waits)?"""
+        return any(s is not session and s.holding is not None for s in list(self.sessions))
+
     def give_back(self, session: ShareSession) -> None:
         """A read is done with ``session`` (its records, if any, wait for the batch's acknowledgement)."""
         with self._lock:

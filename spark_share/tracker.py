@@ -25,7 +25,7 @@ import threading
 import time
 import uuid
 
-from . import runtime, wire
+from . import backlog, runtime, wire
 from .acks import AGENT_LOST, Acknowledger
 from .batches import (
     ACCEPT,
@@ -72,6 +72,7 @@ TWO_SOURCES = ("this query reads two kafka-share sources; spark-share supports o
                "share group (or subscribe one source to several topics)")
 KEEP_FINISHED = 20  # acknowledged batches kept for status(); older ones are dropped (a stream runs for days)
 SHUTDOWN_WAIT_S = 10.0  # a stop waits this long at most for acknowledgements under way, then for agents
+BACKLOG_LOG_S = 60.0  # the backlog estimate's INFO line, at most this often
 
 
 def one_host() -> bool:
@@ -118,11 +119,13 @@ class Tracker:
         # Created before the watcher, whose thread asks it whether the stream is idle; the slots are
         # known once the watcher has listed the partitions.
         self.policy = BatchPolicy(opts.num_partitions or 1, opts.idle_probe_ms, opts.max_records_per_trigger)
+        self.backlog: dict = {}  # the last estimate (backlog.py), refreshed by the watermark thread
+        self._backlog_logged = 0.0
         runtime.prune()
         self._alive_fd = runtime.hold_tracker_lock(self.tracker_id)
         self._log_file = runtime.log_to_file(runtime.tracker_log_path(self.tracker_id))
         try:
-            self.metadata = MetadataWatcher(opts, wanted=lambda: self.policy.idle)
+            self.metadata = MetadataWatcher(opts, wanted=lambda: self.policy.idle, on_refresh=self._estimate_backlog)
         except BaseException:
             runtime.stop_logging_to(self._log_file)
             runtime.release_tracker_lock(self.tracker_id, self._alive_fd)
@@ -484,6 +487,21 @@ class Tracker:
         self._acked.notify_all()
 
     # progress -----------------------------------------------------------------------------
+    def _estimate_backlog(self) -> None:
+        """After a watermark refresh (the watermark thread): the backlog estimate that progress and
+        status() report, and its log line once a minute."""
+        metadata = getattr(self, "metadata", None)  # None while its constructor runs
+        if metadata is None:
+            return
+        with self._lock:
+            held = backlog.in_flight(a for b in self.batches.values() if b.state in IN_FLIGHT
+                                     for a in b.acquired.values())
+            self.backlog = view = backlog.estimate(metadata.high, self.policy.max_seen, held)
+        now = time.monotonic()
+        if now - self._backlog_logged >= BACKLOG_LOG_S:
+            self._backlog_logged = now
+            log.info("%s", backlog.line(view))
+
     def progress(self) -> dict:
         with self._lock:
             planned = max(self.batches) if self.batches else None
@@ -498,10 +516,12 @@ class Tracker:
                 "acquired": self.total_acquired, "accepted": t.accepted, "released": t.released,
                 "rejected": t.rejected, "expired": t.expired, "failed": t.failed,
                 "relayed": {"reads": self.relays, "bytes": self.relayed_bytes},
-                "lastAcked": last}
+                "lastAcked": last, "backlogEstimate": self.backlog.get("backlogEstimate"),
+                "backlog": self.backlog.get("partitions")}
 
     def status(self) -> dict:
         out = self.progress()
+        out["query"] = self.query_id
         with self._lock:
             out["batches"] = [b.summary() for _, b in sorted(self.batches.items())[-20:]]
             out["sessions"] = sorted({a.get("session") for b in self.batches.values() for a in b.acquired.values()

@@ -2,14 +2,16 @@
 
 Owns: one plain Kafka client kept alive for the whole run (the embedded broker drops every share
 session when any client disconnects), the check at start that the cluster answers and the topics
-exist, the broker's in-flight cap per partition (asked once), and the partitions' high watermarks,
-refreshed while an idle stream needs them.
+exist, the broker's in-flight cap per partition and the group's lock (asked once), and the partitions'
+high watermarks, refreshed while an idle stream needs them, and at least every BACKLOG_REFRESH_S for the
+backlog estimate (``on_refresh`` is told).
 
 Must never: be called on Spark's ``latestOffset`` path for anything but reading memory, or quote a
 credential in an error.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
@@ -25,6 +27,10 @@ REFRESH_TIMEOUT_S = 15.0
 # The first metadata request at start is asked in slices this long: between two, the client's error
 # callback says whether authentication or TLS failed (librdkafka retries those for ever).
 CONNECT_SLICE_S = 2.0
+# A busy stream needs no watermarks to decide on batches; the backlog estimate gets them this often.
+BACKLOG_REFRESH_S = 10.0
+
+log = logging.getLogger("spark_share.tracker")
 RECORD_LOCKS_CONFIG = "group.share.partition.max.record.locks"
 GROUP_LOCK_CONFIG = "share.record.lock.duration.ms"  # the group's own
 BROKER_LOCK_CONFIG = "group.share.record.lock.duration.ms"  # the default of groups that set none
@@ -42,7 +48,8 @@ class MetadataWatcher:
     session when any client disconnects) that refreshes high watermarks in the background while
     ``wanted()`` says they matter (an idle stream), and not otherwise."""
 
-    def __init__(self, opts: ShareSourceOptions, timeout_s: float = 15.0, wanted=lambda: True):
+    def __init__(self, opts: ShareSourceOptions, timeout_s: float = 15.0, wanted=lambda: True,
+                 on_refresh=lambda: None):
         from confluent_kafka import Consumer, KafkaException
 
         self._opts = opts
@@ -79,6 +86,8 @@ class MetadataWatcher:
         self.high: dict[tuple[str, int], int] = {}
         self.version = 0
         self._wanted = wanted
+        self._on_refresh = on_refresh
+        self._refreshed_at = 0.0
         self._stop = threading.Event()
         self.refresh()
         self._thread = threading.Thread(target=self._loop, name="spark-share-watermarks", daemon=True)
@@ -125,12 +134,17 @@ class MetadataWatcher:
                 changed = True
         if changed:
             self.version += 1
+        self._refreshed_at = time.monotonic()
 
     def _loop(self) -> None:
         interval = max(0.25, 0.02 * len(self.partitions))  # one ListOffsets request per partition
         while not self._stop.wait(interval):
-            if self._wanted():
+            if self._wanted() or time.monotonic() - self._refreshed_at >= BACKLOG_REFRESH_S:
                 self.refresh()
+                try:
+                    self._on_refresh()
+                except Exception:  # the estimate is a report: it must never stop the watermarks
+                    log.exception("the backlog estimate failed")
 
     def close(self) -> None:
         self._stop.set()

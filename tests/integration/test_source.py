@@ -50,6 +50,8 @@ def test_available_now_drains_acknowledges_and_ends(spark, kafka, tmp_path):
     assert q.awaitTermination(120), "AvailableNow did not end by itself"
     first_run = time.monotonic() - t0
     assert q.exception() is None
+    print(f"AvailableNow, 600 records: query start -> end {first_run:.1f} s (a new group's join included: one "
+          "share heartbeat on real Kafka, 5 s by default)")
     # The batch that saw the last record was followed by one without tasks (it acknowledges and
     # reports), not by an empty poll.
     assert [p["numInputRows"] for p in q.recentProgress] == [600, 0]

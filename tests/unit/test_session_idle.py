@@ -97,3 +97,18 @@ def test_a_poll_of_a_consumer_that_never_joined_waits_past_its_timeout_for_the_j
         assert 0.4 <= took < 5, f"the never-joined consumer's poll took {took:.2f} s, its join wait 0.6 s"
     finally:
         s.close().result(timeout=10)
+
+
+def test_a_joining_consumer_stops_waiting_once_another_consumer_of_the_agent_holds_records(fake_consumer):
+    """The records another consumer holds wait for this batch to end, and their lock runs meanwhile: a
+    consumer still joining then gives up at its own timeout (its partitions come in a later batch)."""
+    import time
+
+    s = session_mod.ShareSession("joining-late", {"group.id": "g"}, ["t"], False, join_wait_s=30,
+                                 held_elsewhere=lambda session: True)
+    try:
+        t0 = time.monotonic()
+        rb, held = s.poll(0, 0, None, 200).result(timeout=10)
+        assert rb.num_rows == 0 and held.timed_out and time.monotonic() - t0 < 5
+    finally:
+        s.close().result(timeout=10)
