@@ -175,9 +175,11 @@ class SessionPool:
         self._reserved.add(session)
         self._last_taken[session.session_id] = (batch, time.monotonic())
 
-    def held_elsewhere(self, session: ShareSession) -> bool:
-        """Does a session other than ``session`` hold records (their lock runs while a batch waits)?"""
-        return any(s is not session and s.holding is not None for s in list(self.sessions))
+    def held_elsewhere(self, session: ShareSession) -> float:
+        """For how long (s) a session other than ``session`` has held records (their lock runs while a
+        batch waits); 0 when none does."""
+        held = [s.holding.acquired_at for s in list(self.sessions) if s is not session and s.holding is not None]
+        return time.time() - min(held) if held else 0.0
 
     def give_back(self, session: ShareSession) -> None:
         """A read is done with ``session`` (its records, if any, wait for the batch's acknowledgement)."""

@@ -56,9 +56,12 @@ IDLE_SERVE_S = 1.0
 # 15 s by default); librdkafka reports the member "init", not "steady", until then. A poll of a
 # consumer that was never steady goes on past its own timeout until it is, for at most this long after
 # the consumer was created: a first batch (of a Trigger.Once run, say) must not end empty before the
-# broker has handed out any partition. Only while no other consumer of the agent holds records: those
-# would wait for this poll's batch to end, and their lock runs meanwhile.
+# broker has handed out any partition. Only while no other consumer of the agent has held records for
+# longer than JOIN_GRACE_S: those wait for this poll's batch to end, and their lock (at least 15 s on
+# Kafka's default bounds) runs meanwhile. Consumers that joined together get their partitions one
+# heartbeat (5 s by default) of each other apart at most.
 JOIN_WAIT_S = 20.0
+JOIN_GRACE_S = 8.0
 
 
 @dataclass
@@ -105,7 +108,7 @@ class ShareSession:
     def __init__(self, session_id: str, conf: dict[str, str], topics: list[str], include_headers: bool,
                  scrub: Callable[[str], str] = lambda s: s, idle_serve_s: float = IDLE_SERVE_S,
                  join_wait_s: float = JOIN_WAIT_S,
-                 held_elsewhere: Callable[[ShareSession], bool] = lambda s: False):
+                 held_elsewhere: Callable[[ShareSession], float] = lambda s: 0.0):
         from confluent_kafka import ShareConsumer
 
         self.session_id = session_id
@@ -126,7 +129,7 @@ class ShareSession:
         self._idle_serve_s = idle_serve_s
         self._steady = False  # librdkafka has reported this consumer a steady member (with its assignment)
         self._join_wait_s = join_wait_s
-        self._held_elsewhere = held_elsewhere  # does another consumer of the agent hold records?
+        self._held_elsewhere = held_elsewhere  # for how long another consumer of the agent has held records
         self._idle_served_at = time.monotonic()  # the last time the idle session served librdkafka's queue
         self.idle_serves = 0
         self._consumer_closed = False
@@ -360,7 +363,8 @@ class ShareSession:
                 rejoining = True
                 continue
             now = time.monotonic()
-            if msgs or (now >= deadline and (self._steady or now >= joined_by or self._held_elsewhere(self))):
+            if msgs or (now >= deadline and (self._steady or now >= joined_by
+                                             or self._held_elsewhere(self) > JOIN_GRACE_S)):
                 return msgs, False
             if self._failures.failure:  # the broker refused this consumer: say so, not "no records"
                 raise SourceError(self._failures.failure)

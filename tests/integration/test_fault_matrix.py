@@ -277,9 +277,10 @@ def test_row4_python_worker_killed_while_read_waits(spark, kafka, tmp_path):
 
 def test_row5_agent_killed_while_holding_records(spark, kafka, tmp_path):
     """The agent is SIGKILLed after the batch was read and before it committed: its records go
-    back to the group (released when its connections drop, or when their 5 s locks expire) and are
-    delivered again to a new agent."""
-    kafka.set_record_lock_duration(5000)
+    back to the group (released when its connections drop, or when their 10 s locks expire) and are
+    delivered again to a new agent. (The new agent's consumers join while one of them may already hold
+    records of the next batch: its lock must outlast their join, up to JOIN_GRACE_S.)"""
+    kafka.set_record_lock_duration(10_000)
     kafka.set_session_timeout(6000)  # the dead agent's members leave the group (and its partitions) sooner
     w = Workload(kafka, "r5", partitions=2)
     w.produce(200)

@@ -60,15 +60,18 @@ def test_serving_an_idle_session_acknowledges_nothing_and_loses_nothing(kafka, p
     first = produce(kafka, topic, 10, partitions=2)
     s = _session(kafka, topic)
     try:
-        rows = 0
+        rows = acked = 0
         while rows < len(first):
             rb, _ = s.poll(0, 0, None, 60_000).result(timeout=90)
             assert rb.num_rows, "the records produced before the session started did not come"
             rows += rb.num_rows
-            acks, served = s.acks_sent, s.idle_serves  # as of the statistics the poll served, after the last ack
+            # Statistics that count the acknowledgements sent so far (they come every 100 ms, served late).
+            wait_until(lambda: s.acks_sent >= acked, timeout=20, message="no statistics after the last acknowledgement")
+            acks, served = s.acks_sent, s.idle_serves
             wait_until(lambda: s.idle_serves >= served + 2, timeout=20, message="the session holding records never served")
             assert s.acks_sent == acks, "serving the queue sent an acknowledgement"
             out = s.acknowledge({}, 30).result(timeout=40)
+            acked += 1
             assert (out.accepted, out.failed, out.expired) == (rb.num_rows, 0, 0), out
         later = produce(kafka, topic, 5, partitions=2)
         served = s.idle_serves

@@ -105,7 +105,7 @@ def test_a_joining_consumer_stops_waiting_once_another_consumer_of_the_agent_hol
     import time
 
     s = session_mod.ShareSession("joining-late", {"group.id": "g"}, ["t"], False, join_wait_s=30,
-                                 held_elsewhere=lambda session: True)
+                                 held_elsewhere=lambda session: 10.0)  # held for 10 s: past the grace
     try:
         t0 = time.monotonic()
         rb, held = s.poll(0, 0, None, 200).result(timeout=10)
