@@ -361,12 +361,19 @@ def test_two_queries_two_groups_side_by_side(spark, kafka, tmp_path):
         ta, tb = registry(qa.id)["tracker_id"], registry(qb.id)["tracker_id"]
         assert ta != tb and agent_processes(ta) and agent_processes(tb)
         assert {r["topic"] for r in ca.rows} == {wa.topic} and {r["topic"] for r in cb.rows} == {wb.topic}
-        check_no_loss(wa.ids, ca.ids)
-        check_no_loss([10_000 + i for i in wb.ids], cb.ids)
-        wait_until(lambda: spark_share.status(qa)["inflightRecords"] == 0
-                   and spark_share.status(qb)["inflightRecords"] == 0, timeout=30, message="acks pending")
-        sa, sb = spark_share.status(qa), spark_share.status(qb)
-        assert sa["accepted"] == 300 and sb["accepted"] == 200
+        ra = check_no_loss(wa.ids, ca.ids, duplicates_reason="the other query's clients connecting (embedded broker)")
+        rb = check_no_loss([10_000 + i for i in wb.ids], cb.ids)
+        if kafka.external:  # real Kafka: one query's clients never end another's share sessions
+            assert ra.duplicates == rb.duplicates == 0, (ra, rb)
+
+        def every_record_accepted() -> bool:
+            # On the embedded broker a client of one query connecting can end the other's share sessions
+            # (quirk 2): those acknowledgements fail, and the records come back to a later batch.
+            sa, sb = spark_share.status(qa), spark_share.status(qb)
+            return (sa["inflightRecords"] == sb["inflightRecords"] == 0 and sa["accepted"] == 300
+                    and sb["accepted"] == 200)
+
+        wait_until(every_record_accepted, timeout=60, message="not every record of both queries was accepted")
     finally:
         qa.stop()
         qb.stop()
