@@ -52,7 +52,7 @@ def register(spark) -> None:
     ...       .option("subscribe", "orders")
     ...       .load())
     """
-    from .listener import install_listener
+    from .user.listener import install_listener
 
     spark.dataSource.register(_source_for(spark))
     install_listener(spark)
@@ -118,7 +118,7 @@ def reject(rows, reason=None) -> int:
     ...     parsed.where("order IS NOT NULL").write.mode("append").parquet("/data/orders")
     >>> query = df.writeStream.foreachBatch(process).start()  # doctest: +SKIP
     """
-    from .verdicts import reject as _reject
+    from .user.verdicts import reject as _reject
 
     return _reject(rows, reason=reason)
 
@@ -150,7 +150,7 @@ def release(rows) -> int:
     ...     spark_share.release(batch.where("value IS NULL AND deliveryCount < 3"))  # look again later
     ...     batch.where("value IS NOT NULL").write.mode("append").parquet("/data/orders")
     """
-    from .verdicts import release as _release
+    from .user.verdicts import release as _release
 
     return _release(rows)
 
@@ -181,6 +181,6 @@ def status(query) -> dict:
     >>> spark_share.status(q)["accepted"]  # doctest: +SKIP
     1200
     """
-    from .client import status as _status
+    from .user.client import status as _status
 
     return _status(query)

@@ -167,8 +167,8 @@ def _status(args: argparse.Namespace) -> int:
     touching the query: members per host, records in flight, the backlog estimate, the last batch."""
     import json
 
-    from .client import trackers_on_this_host
-    from .protocol import Status, call
+    from .transport.protocol import Status, call
+    from .user.client import trackers_on_this_host
 
     conns = trackers_on_this_host()
     if not conns:

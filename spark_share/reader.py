@@ -25,7 +25,7 @@ from . import runtime
 from .connect import session_of_job_tags
 from .offsets import INITIAL, batch_of, offset_of
 from .options import ShareSourceOptions, scrub
-from .protocol import Read, call
+from .transport.protocol import Read, call
 
 log = logging.getLogger("spark_share.reader")
 
@@ -66,7 +66,7 @@ def _agent_of(tracker_id: str):
 
 
 def _start_agent_early(t) -> None:
-    from .launcher import ensure_agent
+    from .executor.launcher import ensure_agent
 
     try:
         ensure_agent(t.address, t.tracker_id, t.secret, t.opts).close()
@@ -86,7 +86,7 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if self._tracker is None:
             if self._stopped:
                 raise RuntimeError("the kafka-share source is stopping")
-            from .tracker import Tracker, one_host
+            from .driver.tracker import Tracker, one_host
 
             runtime.log_to_stderr()
             if threading.current_thread() is threading.main_thread() and _in_source_runner():
@@ -152,7 +152,7 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def read(self, partition: SharePartition) -> Iterator:  # type: ignore[override]
         from pyspark import TaskContext
 
-        from . import records
+        from .executor import records
 
         ctx = TaskContext.get()
         query_id = ctx.getLocalProperty("sql.streaming.queryId") if ctx else None
@@ -177,7 +177,7 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def _connect_agent(self, partition: SharePartition):
         """Find or start this host's agent; the connection is kept for this worker's next tasks."""
-        from .launcher import ensure_agent
+        from .executor.launcher import ensure_agent
 
         conn = _AGENTS[partition.tracker_id] = ensure_agent(
             (partition.tracker_host, partition.tracker_port), partition.tracker_id, partition.secret, self.opts)

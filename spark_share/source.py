@@ -9,8 +9,8 @@ import os
 
 from pyspark.sql.datasource import DataSource
 
+from .executor.records import spark_schema
 from .options import parse_options
-from .records import spark_schema
 
 
 class KafkaShareDataSource(DataSource):

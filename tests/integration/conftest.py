@@ -1,7 +1,7 @@
 """Fixtures of the integration tests: one local Spark session (with kafka-share registered), the Kafka
 of one test (a fresh embedded broker; or uniquely named topics and groups on a real broker the harness
 started from SPARK_SHARE_TEST_KAFKA_START, or on a cluster of yours with SPARK_SHARE_TEST_BOOTSTRAP:
-tests/brokers.py), and a long-lived producer of records with unique ids. Tests marked ``embedded_only``
+tests/harness/brokers.py), and a long-lived producer of records with unique ids. Tests marked ``embedded_only``
 are skipped on a real broker, ``real_only`` on the embedded one, before any fixture runs."""
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 os.environ["PYSPARK_PYTHON"] = sys.executable
 os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
 
-from brokers import BrokerChoice, choose_broker  # noqa: E402
-from support import ProducerPool  # noqa: E402
+from harness.brokers import BrokerChoice, choose_broker  # noqa: E402
+from harness.support import ProducerPool  # noqa: E402
 
 
 def _broker_choice() -> BrokerChoice:

@@ -25,10 +25,10 @@ import threading
 
 os.environ["SPARK_SHARE_FORCE_SIGTERM"] = "1"  # the runner's SIGTERM handling, outside the runner
 
-from spark_share.acks import Acknowledger  # noqa: E402
+from spark_share.driver.acks import Acknowledger  # noqa: E402
+from spark_share.driver.tracker import Tracker  # noqa: E402
 from spark_share.options import parse_options  # noqa: E402
 from spark_share.reader import ShareStreamReader  # noqa: E402
-from spark_share.tracker import Tracker  # noqa: E402
 
 HOLD_S = 60.0
 _say_lock = threading.Lock()

@@ -7,12 +7,12 @@ import socket
 
 import pytest
 
-from spark_share import wire
-from spark_share.agent import _connect_tracker
+from harness.support import gid, kafka_options, uid
+from spark_share.driver.tracker import Tracker
 from spark_share.errors import OptionError, SourceError
+from spark_share.executor.agent import _connect_tracker
 from spark_share.options import parse_options
-from spark_share.tracker import Tracker
-from support import gid, kafka_options, uid
+from spark_share.transport import wire
 
 
 def _tracker(kafka, **options) -> Tracker:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import spark_share
-from support import BatchCollector, Workload, gid, read_stream, source_progress, tracker_log, wait_until
+from harness.support import BatchCollector, Workload, gid, read_stream, source_progress, tracker_log, wait_until
 
 
 def _status(q) -> dict:

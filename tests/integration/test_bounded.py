@@ -2,9 +2,19 @@
 agent's cache or to the tracker's log."""
 from __future__ import annotations
 
-from spark_share import protocol, wire
+from harness.support import (
+    BatchCollector,
+    Workload,
+    check_no_loss,
+    gid,
+    read_stream,
+    registry,
+    tracker_log,
+    uid,
+    wait_until,
+)
 from spark_share.runtime import agent_socket_path
-from support import BatchCollector, Workload, check_no_loss, gid, read_stream, registry, tracker_log, uid, wait_until
+from spark_share.transport import protocol, wire
 
 
 def test_idle_probes_leave_nothing_behind_in_the_agent_or_the_log(spark, kafka, tmp_path):

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from support import (
+from harness.support import (
     BatchCollector,
     PacedProducer,
     Workload,

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from support import Workload, check_no_loss, gid, id_col, run_available_now, source_progress, tracker_log
+from harness.support import Workload, check_no_loss, gid, id_col, run_available_now, source_progress, tracker_log
 
 
 def test_a_backlog_fills_the_lock_budget(spark, kafka, tmp_path):

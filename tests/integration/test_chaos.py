@@ -1,4 +1,4 @@
-"""Random, overlapping faults on a continuous query (jobs/chaos.py, seeded): nothing lost, every
+"""Random, overlapping faults on a continuous query (tests/harness/chaos.py, seeded): nothing lost, every
 duplicate and every query failure after a fault, the group empty at the end, and no resource of the
 query's processes growing after warm-up. Three minutes on the embedded broker (with its error
 injection), and on a real broker of the kit (restarted and killed). SPARK_SHARE_CHAOS_SEED replays
@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_three_minutes_of_overlapping_faults_lose_nothing_and_grow_nothing(tmp_path):
     seed = os.environ.get("SPARK_SHARE_CHAOS_SEED", "1")
     out = tmp_path / "chaos"
-    cmd = [sys.executable, os.path.join(ROOT, "jobs", "chaos.py"), "--minutes", "3", "--seed", seed, "--out", str(out)]
+    cmd = [sys.executable, os.path.join(ROOT, "tests", "harness", "chaos.py"), "--minutes", "3", "--seed", seed, "--out", str(out)]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     print(run.stdout)
     assert run.returncode == 0, (f"chaos run failed (replay: {' '.join(cmd[1:])}):\n{run.stdout[-6000:]}\n"
@@ -43,7 +43,7 @@ def test_overlapping_faults_with_broker_restarts_and_kills_on_a_real_broker_lose
         pytest.skip("starts its own broker: needs SPARK_SHARE_TEST_KAFKA_START")
     seed = os.environ.get("SPARK_SHARE_CHAOS_SEED", "1")
     out = tmp_path / "chaos"
-    cmd = [sys.executable, os.path.join(ROOT, "jobs", "chaos.py"), "--minutes", "3", "--seed", seed, "--out", str(out),
+    cmd = [sys.executable, os.path.join(ROOT, "tests", "harness", "chaos.py"), "--minutes", "3", "--seed", seed, "--out", str(out),
            "--kafka-start", broker_choice.start_script]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
     print(run.stdout)

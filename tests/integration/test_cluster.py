@@ -1,4 +1,4 @@
-"""kafka-share on a Spark standalone cluster of separate hosts (network namespaces: tests/cluster.py):
+"""kafka-share on a Spark standalone cluster of separate hosts (network namespaces: tests/harness/spark_hosts.py):
 the driver on its own host, three worker hosts with one core each, the real Kafka broker reached
 from every host (socat relays its loopback port into each host).
 
@@ -22,8 +22,8 @@ import time
 import pyarrow.parquet as pq
 import pytest
 
-from cluster import NamespaceCluster
-from support import Workload, check_no_loss, drain_share_group, gid, ids_of, kafka_options, wait_until
+from harness.spark_hosts import NamespaceCluster
+from harness.support import Workload, check_no_loss, drain_share_group, gid, ids_of, kafka_options, wait_until
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.real_only("the multi-host behaviour is proven where partitions are shared and a join "
@@ -290,9 +290,9 @@ def test_agents_on_a_cluster_join_with_one_consumer(kafka, monkeypatch):
     joins with one and grows with the slots its tasks read (never executors x numPartitions)."""
     from types import SimpleNamespace
 
+    from spark_share.driver.tracker import Tracker
     from spark_share.options import parse_options
-    from spark_share.protocol import Hello
-    from spark_share.tracker import Tracker
+    from spark_share.transport.protocol import Hello
 
     topic = kafka.create_topic("slots", 4)
     opts = parse_options({**kafka_options(kafka), "kafka.group.id": kafka.group(gid()),

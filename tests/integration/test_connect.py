@@ -21,8 +21,17 @@ import pyarrow.parquet as pq
 import pytest
 
 import spark_share
+from harness.support import (
+    Workload,
+    check_no_loss,
+    drain_share_group,
+    gid,
+    ids_of,
+    kafka_options,
+    summary_count,
+    wait_until,
+)
 from spark_share.errors import VerdictError
-from support import Workload, check_no_loss, drain_share_group, gid, ids_of, kafka_options, summary_count, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -411,10 +420,10 @@ def test_verdicts_find_their_batch_by_connect_session(kafka):
     from concurrent.futures import Future
     from types import SimpleNamespace
 
-    from spark_share.batches import REJECT
+    from spark_share.driver.batches import REJECT
+    from spark_share.driver.tracker import Tracker
     from spark_share.options import parse_options
-    from spark_share.protocol import Acquired, Claim, Verdicts
-    from spark_share.tracker import Tracker
+    from spark_share.transport.protocol import Acquired, Claim, Verdicts
 
     topic = kafka.create_topic("by-session", 1)
     t = Tracker(parse_options({**kafka_options(kafka), "kafka.group.id": kafka.group(gid()), "subscribe": topic}))
@@ -443,7 +452,8 @@ def test_verdicts_find_their_batch_by_connect_session(kafka):
 def test_a_server_that_refuses_the_listener_is_named(monkeypatch):
     """Without the server-side listener, acknowledgements wait for the next trigger: the user is told
     so, and what to do."""
-    from spark_share import connect, listener
+    from spark_share import connect
+    from spark_share.user import listener
 
     monkeypatch.setattr(connect, "is_connect", lambda spark: True)
     monkeypatch.setattr(connect, "install_server_listener", lambda spark, listener: False)

@@ -19,9 +19,9 @@ import time
 import pytest
 from confluent_kafka import AcknowledgeType, Producer, ShareConsumer
 
+from harness.support import ShareGroups, wait_until
 from spark_share import embedded
 from spark_share.embedded import EmbeddedKafka, EmbeddedKafkaError, parse_topic_spec
-from support import ShareGroups, wait_until
 
 ERR_NOT_LEADER_OR_FOLLOWER = 6
 ERR_INVALID_RECORD_STATE = 121

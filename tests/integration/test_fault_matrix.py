@@ -30,14 +30,8 @@ from chispa import assert_df_equality
 from pyspark.sql import functions as F
 
 import spark_share
-from brokers import EmbeddedBroker
-from spark_share.batches import ACCEPT, REJECT
-from spark_share.errors import BatchRefused
-from spark_share.options import parse_options
-from spark_share.protocol import Acquired, Claim
-from spark_share.runtime import agent_socket_path
-from spark_share.tracker import AGENT_LOST, Tracker
-from support import (
+from harness.brokers import EmbeddedBroker
+from harness.support import (
     BatchCollector,
     Workload,
     agent_processes,
@@ -60,6 +54,12 @@ from support import (
     uid,
     wait_until,
 )
+from spark_share.driver.batches import ACCEPT, REJECT
+from spark_share.driver.tracker import AGENT_LOST, Tracker
+from spark_share.errors import BatchRefused
+from spark_share.options import parse_options
+from spark_share.runtime import agent_socket_path
+from spark_share.transport.protocol import Acquired, Claim
 
 pytestmark = pytest.mark.slow
 

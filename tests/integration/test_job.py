@@ -14,13 +14,13 @@ from collections import Counter
 import pytest
 
 import spark_share
+from harness.support import kafka_options, summary_count
 from spark_share import job
 from spark_share.job import ConfigError, load_config, parse_config
 from spark_share.job.command import _find_config
 from spark_share.job.pipeline import _check_against_schema, _check_release_if
 from spark_share.job.workload import produce_waiting, synthetic_order
 from spark_share.options import is_secret
-from support import kafka_options, summary_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JOB_FILE = os.path.join(ROOT, "jobs", "queue_to_table.py")

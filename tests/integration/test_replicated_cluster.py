@@ -1,5 +1,5 @@
 """The fault users meet most: a broker of a replicated cluster dies under a running query. Three KRaft
-nodes of the kit on loopback (tests/kafka_kit.py: topics and internal topics with replication factor 3,
+nodes of the kit on loopback (tests/harness/kafka_kit.py: topics and internal topics with replication factor 3,
 min.insync.replicas 2); each node in turn is killed with SIGKILL mid-stream and started again, so the
 leader of a partition the query reads, the group coordinator and the share coordinator each die once.
 Nothing is lost; a record comes twice only as the same record (topic, partition, offset) delivered
@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from brokers import ExternalKafka
-from kafka_kit import KitCluster
-from support import BatchCollector, PacedProducer, Workload, check_no_loss, gid, read_stream, wait_until
+from harness.brokers import ExternalKafka
+from harness.kafka_kit import KitCluster
+from harness.support import BatchCollector, PacedProducer, Workload, check_no_loss, gid, read_stream, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_only("starts a three-node cluster of the kit")]
 

@@ -1,5 +1,5 @@
 """A secured listener as production clusters have: SASL_SSL with SCRAM-SHA-512 on a broker of the kit
-(tests/kafka_kit.py; the harness makes the CA, the broker's certificate and the SCRAM users). The whole
+(tests/harness/kafka_kit.py; the harness makes the CA, the broker's certificate and the SCRAM users). The whole
 stream works with the ``kafka.*`` security options (share consumers, the tracker's admin and metadata
 clients, the dead-letter producer); a wrong password, an unknown user and a missing CA each fail within
 seconds, saying which; no secret reaches a log, the progress, the status, a checkpoint file or an error."""
@@ -14,9 +14,9 @@ import time
 import pytest
 
 import spark_share
-from brokers import ExternalKafka
-from kafka_kit import KitCluster, free_ports
-from support import Workload, check_no_loss, gid, id_col, read_stream, tracker_log, wait_until
+from harness.brokers import ExternalKafka
+from harness.kafka_kit import KitCluster, free_ports
+from harness.support import Workload, check_no_loss, gid, id_col, read_stream, tracker_log, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_only("starts a SASL_SSL broker of the kit")]
 

@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from spark_share.session import ShareSession
-from support import kafka_options
+from harness.support import kafka_options
+from spark_share.executor.session import ShareSession
 
 
 def test_polls_end_when_a_fetch_comes_back_empty_and_not_while_one_is_on_its_way(kafka, produce):
@@ -70,8 +70,8 @@ def test_a_stalled_broker_does_not_make_the_watermark_client_end_share_sessions(
     librdkafka drops the connection of a timed-out request, and on the embedded broker that ends
     every share session, so a session's records would come back although it acknowledges in time
     (a 60-minute chaos run looped on this while its broker was slow)."""
+    from spark_share.driver.watermarks import REFRESH_TIMEOUT_S, MetadataWatcher
     from spark_share.options import parse_options
-    from spark_share.watermarks import REFRESH_TIMEOUT_S, MetadataWatcher
 
     stall_ms, stall_s = 7000, 9.0  # answers come 7 s late, for 9 s
     assert stall_ms / 1000 < REFRESH_TIMEOUT_S

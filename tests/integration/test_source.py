@@ -1,5 +1,5 @@
 """The kafka-share source end to end: a local Spark session against the embedded broker (or a cluster of
-yours: tests/brokers.py).
+yours: tests/harness/brokers.py).
 
 Each test here would fail on the toy design (a consumer in read(), ACCEPT at task end)."""
 from __future__ import annotations
@@ -15,9 +15,7 @@ import uuid
 import pytest
 
 import spark_share
-from spark_share import wire
-from spark_share.runtime import agent_socket_path, checkpoint_note_path, registry_path, runtime_dir
-from support import (
+from harness.support import (
     BatchCollector,
     Workload,
     agent_processes,
@@ -36,6 +34,8 @@ from support import (
     uid,
     wait_until,
 )
+from spark_share.runtime import agent_socket_path, checkpoint_note_path, registry_path, runtime_dir
+from spark_share.transport import wire
 
 
 def test_available_now_drains_acknowledges_and_ends(spark, kafka, tmp_path):
@@ -212,10 +212,10 @@ def test_available_now_waits_for_records_it_gave_back(kafka):
     from concurrent.futures import Future
     from types import SimpleNamespace
 
+    from spark_share.driver.policy import AVAILABLE_NOW_EMPTY_RETRIES
+    from spark_share.driver.tracker import Tracker
     from spark_share.options import parse_options
-    from spark_share.policy import AVAILABLE_NOW_EMPTY_RETRIES
-    from spark_share.protocol import Acquired
-    from spark_share.tracker import Tracker
+    from spark_share.transport.protocol import Acquired
 
     w = Workload(kafka, "given-back", partitions=1)
     w.produce(10)
@@ -267,10 +267,10 @@ def test_stop_accepts_a_committed_batch_it_was_not_told_of(kafka, tmp_path):
     from concurrent.futures import Future
     from types import SimpleNamespace
 
-    from spark_share.batches import ACCEPT, RELEASE
+    from spark_share.driver.batches import ACCEPT, RELEASE
+    from spark_share.driver.tracker import Tracker
     from spark_share.options import parse_options
-    from spark_share.protocol import Acquired
-    from spark_share.tracker import Tracker
+    from spark_share.transport.protocol import Acquired
 
     topic = kafka.create_topic("stopping", 1)
     t = Tracker(parse_options({**kafka_options(kafka), "kafka.group.id": kafka.group("g"),
@@ -527,9 +527,9 @@ def test_a_batch_planned_before_the_agent_joined_is_polled_when_it_joins(kafka, 
     from concurrent.futures import Future
     from types import SimpleNamespace
 
+    from spark_share.driver.tracker import Tracker
     from spark_share.options import parse_options
-    from spark_share.protocol import Hello
-    from spark_share.tracker import Tracker
+    from spark_share.transport.protocol import Hello
 
     monkeypatch.delenv("SPARK_SHARE_MASTER", raising=False)  # local mode: one host
     topic = kafka.create_topic("early", 2)

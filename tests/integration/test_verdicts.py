@@ -11,8 +11,7 @@ from pyspark.sql import Row
 from pyspark.sql import functions as F
 
 import spark_share
-from spark_share.errors import VerdictError
-from support import (
+from harness.support import (
     BatchCollector,
     Workload,
     drain_share_group,
@@ -21,6 +20,7 @@ from support import (
     read_stream,
     wait_until,
 )
+from spark_share.errors import VerdictError
 
 
 def test_dead_letter_topic_gets_original_record_and_reason_headers(spark, kafka, tmp_path):

@@ -1,7 +1,7 @@
-"""The backlog estimate (spark_share.backlog) from watermarks, acquired offsets and batches in flight."""
+"""The backlog estimate (spark_share.driver.backlog) from watermarks, acquired offsets and batches in flight."""
 from __future__ import annotations
 
-from spark_share import backlog
+from spark_share.driver import backlog
 
 
 def test_the_backlog_is_what_lies_beyond_the_highest_acquired_offset_below_the_high_watermark():

@@ -1,4 +1,4 @@
-"""tests/brokers.py (and jobs/clusters.py under it) without a broker: the external-cluster mode against a fake Admin client (what it asks
+"""tests/harness/brokers.py (and tests/harness/kafka_cluster.py under it) without a broker: the external-cluster mode against a fake Admin client (what it asks
 the cluster to create, configure and delete), the embedded-only skips, and the mode switch."""
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ import warnings
 from concurrent.futures import Future
 from types import SimpleNamespace
 
-import clusters
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AlterConfigOpType, ResourceType
 
-import brokers
-from brokers import (
+from harness import brokers
+from harness import kafka_cluster as clusters
+from harness.brokers import (
     BOOTSTRAP_VAR,
     OPTIONS_VAR,
     CleanupWarning,
@@ -225,7 +225,7 @@ def test_what_only_the_embedded_broker_has_skips_the_test_saying_so(admin, call,
 
 
 def test_share_group_membership_skips_on_an_external_cluster(admin):
-    from support import ShareGroups
+    from harness.support import ShareGroups
 
     with pytest.raises(pytest.skip.Exception, match="share-group membership"):
         ShareGroups(ExternalKafka("b:9092"))
@@ -317,7 +317,7 @@ def test_a_start_script_makes_the_run_real_and_a_cluster_of_yours_wins_over_it(t
     """SPARK_SHARE_TEST_KAFKA_START: the harness starts a real broker (not yet at collection: the run
     is real, its bootstrap unknown); a missing script is an error naming the variable; with
     SPARK_SHARE_TEST_BOOTSTRAP set too, the cluster of yours is used and nothing is started."""
-    from kafka_kit import START_VAR
+    from harness.kafka_kit import START_VAR
 
     script = tmp_path / "start.sh"
     script.write_text("#!/bin/sh\n")

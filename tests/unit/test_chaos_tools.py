@@ -1,4 +1,4 @@
-"""The chaos run's own judges (jobs/chaos.py, jobs/resources.py): a leak fails the growth verdict
+"""The chaos run's own judges (tests/harness/chaos.py, tests/harness/resources.py): a leak fails the growth verdict
 while steps and noise do not; a duplicate with no fault before it is unexplained; the schedule is
 the seed's alone."""
 from __future__ import annotations
@@ -6,8 +6,9 @@ from __future__ import annotations
 import random
 
 import pytest
-from chaos import FAULTS, Fault, explain_duplicates, schedule
-from resources import KINDS, growth_verdict, theil_sen
+
+from harness.chaos import FAULTS, Fault, explain_duplicates, schedule
+from harness.resources import KINDS, growth_verdict, theil_sen
 
 
 def samples(rss_of_t, n=60, every=5.0):
@@ -84,7 +85,7 @@ def test_spark_bounded_pool_threads_are_counted_apart():
     import subprocess
     import sys
 
-    from resources import _bounded_pool_threads
+    from harness.resources import _bounded_pool_threads
 
     helper = subprocess.Popen([sys.executable, "-c", """
 import sys, threading

@@ -2,7 +2,8 @@
 import pytest
 
 import spark_share
-from spark_share import errors, wire
+from spark_share import errors
+from spark_share.transport import wire
 
 
 def test_every_error_has_the_common_base_and_its_builtin_parent():
@@ -16,7 +17,7 @@ def test_every_error_has_the_common_base_and_its_builtin_parent():
         if isinstance(obj, type) and issubclass(obj, Exception):
             assert issubclass(obj, spark_share.SparkShareError), name
     from spark_share.options import OptionError
-    from spark_share.verdicts import VerdictError
+    from spark_share.user.verdicts import VerdictError
     assert OptionError is errors.OptionError and VerdictError is errors.VerdictError
 
 

@@ -3,16 +3,16 @@ import logging
 
 import pytest
 
-from spark_share.acks import log_batch
-from spark_share.batches import AckOutcome, BatchState
-from spark_share.errors import SourceError
-from spark_share.policy import (
+from spark_share.driver.acks import log_batch
+from spark_share.driver.batches import AckOutcome, BatchState
+from spark_share.driver.policy import (
     AVAILABLE_NOW_EMPTY_RETRIES,
     AVAILABLE_NOW_UNANSWERED_S,
     DEFAULT_LOCK_MS,
     GROW_AFTER_BATCHES,
     BatchPolicy,
 )
+from spark_share.errors import SourceError
 
 
 def batch(n, rows_by_partition=None, slots=2, max_records=None, **outcome) -> BatchState:
@@ -240,14 +240,14 @@ def test_records_taken_back_sooner_than_a_batch_that_kept_them_are_not_a_lock_ex
     taken.acked_at = 100.0 + 1
     p.acknowledged(taken)
     assert p.lock_ms == DEFAULT_LOCK_MS and p.lock_safe_records is None
-    with caplog.at_level(logging.WARNING, logger="spark_share.tracker"):
+    with caplog.at_level(logging.WARNING, logger="spark_share.driver.tracker"):
         log_batch(taken, "g", p)
     assert "300 records were taken back after 1000 ms" in caplog.text and "locks expired" not in caplog.text
     expired = batch(2, [(0, 399), (0, 399)], expired=800)
     expired.acked_at = 100.0 + 6  # longer than any batch that kept its records: believed
     p.acknowledged(expired)
     assert p.lock_ms == 6_000 and p.lock_safe_records == 200
-    with caplog.at_level(logging.WARNING, logger="spark_share.tracker"):
+    with caplog.at_level(logging.WARNING, logger="spark_share.driver.tracker"):
         log_batch(expired, "g", p)
     assert "800 records' locks expired" in caplog.text and "at most 200 records per consumer" in caplog.text
 

@@ -1,7 +1,7 @@
 """How the agent's session pool chooses: every share session once per batch, busy ones skipped."""
 from __future__ import annotations
 
-from spark_share.pool import SessionPool
+from spark_share.executor.pool import SessionPool
 
 
 class FakeSession:

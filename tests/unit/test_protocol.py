@@ -3,9 +3,9 @@ import dataclasses
 
 import pytest
 
-from spark_share import protocol
-from spark_share.agent import Agent
-from spark_share.tracker import Tracker
+from spark_share.driver.tracker import Tracker
+from spark_share.executor.agent import Agent
+from spark_share.transport import protocol
 
 
 @pytest.mark.parametrize("receiver, table, receives", [

@@ -1,5 +1,5 @@
 
-from spark_share import records
+from spark_share.executor import records
 
 
 class Msg:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import confluent_kafka
 import pytest
 
-from spark_share import session as session_mod
-from spark_share.batches import ACCEPT, REJECT, RELEASE
+from spark_share.driver.batches import ACCEPT, REJECT, RELEASE
+from spark_share.executor import session as session_mod
 
 
 class NotInFlight(Exception):

@@ -7,8 +7,8 @@ import threading
 import confluent_kafka
 import pytest
 
-from spark_share import session as session_mod
-from support import wait_until
+from harness.support import wait_until
+from spark_share.executor import session as session_mod
 
 
 class FakeShareConsumer:

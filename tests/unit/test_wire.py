@@ -5,8 +5,8 @@ import threading
 
 import pytest
 
-from spark_share import wire
-from support import wait_until
+from harness.support import wait_until
+from spark_share.transport import wire
 
 
 @pytest.fixture
@@ -42,7 +42,7 @@ def test_arrow_record_blobs_cross_without_a_copy_to_bytes(encrypt):
     cross plain and encrypted connections alike, and arrive as the same rows."""
     import pyarrow as pa
 
-    from spark_share import records
+    from spark_share.executor import records
 
     rows = pa.RecordBatch.from_pylist([{"key": b"k%d" % i, "n": i} for i in range(5000)])
     ipc = records.to_ipc(rows)
@@ -59,7 +59,7 @@ def test_arrow_record_blobs_cross_without_a_copy_to_bytes(encrypt):
 
 
 def test_wrong_or_missing_secret_is_refused_and_counted(server, caplog):
-    caplog.set_level("WARNING", logger="spark_share.wire")
+    caplog.set_level("WARNING", logger="spark_share.transport.wire")
     srv, seen = server
     with pytest.raises(wire.AuthError):
         wire.connect(srv.address, "wrong")
@@ -72,7 +72,7 @@ def test_wrong_or_missing_secret_is_refused_and_counted(server, caplog):
     except OSError:
         pass
     raw.close()
-    from support import wait_until
+    from harness.support import wait_until
     wait_until(lambda: srv.refused >= 2, timeout=10, message="refusals not counted")
     assert seen == []
     refusals = [r for r in caplog.records if "refused a connection" in r.getMessage()]
@@ -173,7 +173,7 @@ def _closed_by_peer(sock) -> bool:
 def test_a_forged_frame_after_a_valid_handshake_is_refused(server, caplog):
     """An attacker on the path writes into an authenticated stream: a well-formed frame, without
     the connection's key. The server closes the connection before the frame reaches a handler."""
-    caplog.set_level("WARNING", logger="spark_share.wire")
+    caplog.set_level("WARNING", logger="spark_share.transport.wire")
     srv, seen = server
     sock, (send_key, _) = _authenticated_socket(srv)
     assert send_key.encrypts is srv._encrypt

@@ -1,6 +1,6 @@
 """The agent's per-record CPU without Spark: a raw share-consumer loop against the agent's own path.
 
-    .venv/bin/python jobs/agent_pipeline.py [--records 200000] [--runs 3] [--consumers 2]
+    .venv/bin/python benchmarks/agent_pipeline.py [--records 200000] [--runs 3] [--consumers 2]
 
 The agent's path is what it does per poll: a ShareSession's poll, the conversion to Arrow, the Arrow
 IPC the read task gets (and reads back), the acknowledgement. The raw loop polls and acknowledges
@@ -100,8 +100,8 @@ def raw_loop(bootstrap: str, topic: str, n: int, consumers: int, phases: Phases)
 def agent_path(bootstrap: str, topic: str, n: int, consumers: int, phases: Phases) -> float:
     import gc
 
-    from spark_share import records
-    from spark_share.session import ShareSession
+    from spark_share.executor import records
+    from spark_share.executor.session import ShareSession
 
     records.warm_up()
     gc.freeze()  # as the agent does once started

@@ -22,7 +22,7 @@ from . import records
 if TYPE_CHECKING:
     from .session import ShareSession
 
-log = logging.getLogger("spark_share.agent")
+log = logging.getLogger("spark_share.executor.agent")
 
 # A new share consumer must join the group before records flow: its first poll may wait until it is
 # this old, unless librdkafka reports earlier that it joined and fetched (see ShareSession.poll), so

@@ -28,12 +28,12 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
 
+from ..broker_errors import FailureWatch
+from ..driver.batches import ACCEPT, REJECT, RELEASE, AckOutcome
+from ..errors import SourceError
 from . import records
-from .batches import ACCEPT, REJECT, RELEASE, AckOutcome
-from .broker_errors import FailureWatch
-from .errors import SourceError
 
-log = logging.getLogger("spark_share.session")
+log = logging.getLogger("spark_share.executor.session")
 
 POLL_SLICE_S = 0.05  # how often an empty poll looks at the fetch state
 STATS_INTERVAL_MS = "100"  # how often librdkafka reports the group and fetch state an empty poll ends on

@@ -16,9 +16,9 @@ import threading
 import time
 from typing import Any
 
-from .broker_errors import FailureWatch
-from .errors import SourceError
-from .options import ShareSourceOptions, scrub
+from ..broker_errors import FailureWatch
+from ..errors import SourceError
+from ..options import ShareSourceOptions, scrub
 
 # A request that times out makes librdkafka drop the connection (socket.max.fails=1), and on the
 # embedded broker any client's disconnect ends every share session: a broker stalled for a few
@@ -30,7 +30,7 @@ CONNECT_SLICE_S = 2.0
 # A busy stream needs no watermarks to decide on batches; the backlog estimate gets them this often.
 BACKLOG_REFRESH_S = 10.0
 
-log = logging.getLogger("spark_share.tracker")
+log = logging.getLogger("spark_share.driver.tracker")
 RECORD_LOCKS_CONFIG = "group.share.partition.max.record.locks"
 GROUP_LOCK_CONFIG = "share.record.lock.duration.ms"  # the group's own
 BROKER_LOCK_CONFIG = "group.share.record.lock.duration.ms"  # the default of groups that set none

@@ -1,7 +1,7 @@
 """Benchmarks: kafka-share against a raw share consumer, side by side, on one embedded broker.
 
-    .venv/bin/python jobs/benchmark.py [--records 100000] [--repeats 3] [--out bench-out]
-    .venv/bin/python jobs/benchmark.py --bootstrap-servers broker:9092 [--kafka-option K=V ...]   # your cluster
+    .venv/bin/python benchmarks/benchmark.py [--records 100000] [--repeats 3] [--out bench-out]
+    .venv/bin/python benchmarks/benchmark.py --bootstrap-servers broker:9092 [--kafka-option K=V ...]   # your cluster
 
 Prints a table and writes results.json and PNG plots to --out. Absolute numbers vary from run to
 run on a shared 2-core machine; the ratios, measured in the same run, are what to compare.
@@ -21,13 +21,13 @@ import time
 import uuid
 
 import psutil
-from resources import process_kind
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # harness: the Kafka to run on, the resource sampler
 
-from clusters import EmbeddedCluster, ExternalCluster, parse_options  # noqa: E402
-
+from harness.kafka_cluster import EmbeddedCluster, ExternalCluster, parse_options  # noqa: E402
+from harness.resources import process_kind  # noqa: E402
 from spark_share.embedded import EmbeddedKafka  # noqa: E402  (the repository, put on the path above)
 
 RAW_LOOP = r"""
@@ -62,7 +62,7 @@ print(json.dumps({"seconds": dt, "records": sum(got),
 
 
 def cluster(args):
-    """A cluster of yours (jobs/clusters.py: topics and groups under a prefix of this run, deleted at the
+    """A cluster of yours (tests/harness/kafka_cluster.py: topics and groups under a prefix of this run, deleted at the
     end; each share group set to start at the earliest record), or a fresh embedded broker."""
     if args.bootstrap_servers:
         return ExternalCluster(args.bootstrap_servers, args.kafka_options, prefix="spark-share-bench")
@@ -284,7 +284,7 @@ def batch_size_sweep(spark, args, tmp, slots=2):
 
 
 def floor_run(spark, batches, tasks, rows, tmp):
-    """Spark's own cost for a Python streaming source that does no work (jobs/bench_floor.py)."""
+    """Spark's own cost for a Python streaming source that does no work (benchmarks/bench_floor.py)."""
     with CpuSampler() as cpu:
         t0 = time.perf_counter()
         q = (spark.readStream.format("spark-share-floor").option("batches", batches).option("tasks", tasks)
@@ -310,7 +310,7 @@ def decode_bench(n=300_000, repeats=5):
     import pyarrow as pa
     from confluent_kafka import Message
 
-    from spark_share import records
+    from spark_share.executor import records
 
     msgs = [Message(topic="orders", partition=p, offset=o, key=str(o).encode(), value=b"x" * 100,
                     timestamp=(1, 1_700_000_000_000 + o), delivery_count=1) for p in range(4) for o in range(n // 4)]
@@ -424,7 +424,7 @@ def main(argv=None):
     skip = set(filter(None, args.skip.split(",")))
     os.makedirs(args.out, exist_ok=True)
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    # Spark's Python processes (planning workers, the source runner) must import jobs/bench_floor.py.
+    # Spark's Python processes (planning workers, the source runner) must import benchmarks/bench_floor.py.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.abspath(__file__)),
                                                               os.environ.get("PYTHONPATH")]))
     from pyspark.sql import SparkSession

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from collections import deque
 
+from ..errors import SourceError
 from .batches import BatchState
-from .errors import SourceError
 
 AVAILABLE_NOW_EMPTY_RETRIES = 5
 # How long an AvailableNow run that has acquired nothing yet waits for a broker that answers none of

@@ -13,9 +13,9 @@ import logging
 import os
 import re
 
-from . import runtime
+from .. import runtime
 
-log = logging.getLogger("spark_share.tracker")
+log = logging.getLogger("spark_share.driver.tracker")
 
 
 def local_commit_dir(root: str) -> str | None:

@@ -2,7 +2,7 @@
 a long-lived producer, the embedded broker's share-group membership (ctypes), and helpers to find
 (and kill) the processes a query runs on.
 
-``kafka`` here is the test's broker (tests/brokers.py): topic names come back from its
+``kafka`` here is the test's broker (tests/harness/brokers.py): topic names come back from its
 ``create_topic``, and every client is built from its ``client()`` (credentials of a cluster of yours
 included), never from ``bootstrap_servers`` alone.
 
@@ -201,7 +201,7 @@ def agent_processes(tracker_id: str | None = None) -> list[psutil.Process]:
             cmd = p.info["cmdline"] or []
             if p.info["status"] == psutil.STATUS_ZOMBIE:
                 continue
-            if "spark_share.agent" in cmd:
+            if "spark_share.executor.agent" in cmd:
                 out.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue

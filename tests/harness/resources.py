@@ -7,7 +7,7 @@ verdict that fails a run when a series keeps growing after warm-up (``growth_ver
 test over the whole window, not a threshold on one sample), and ``plot``.
 
 Must never: signal or otherwise touch the processes it samples, or count another program's.
-Used by jobs/chaos.py and jobs/benchmark.py; not part of the package.
+Used by tests/harness/chaos.py and benchmarks/benchmark.py; not part of the package.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def process_kind(p: psutil.Process, driver_pid: int | None = None) -> str | None
     cmd = " ".join(p.cmdline() or [])
     if "org.apache.spark.deploy.SparkSubmit" in cmd:
         return "JVM"
-    for needle, kind in (("spark_share.agent", "agent"), ("python_streaming_source_runner", "runner"),
+    for needle, kind in (("spark_share.executor.agent", "agent"), ("python_streaming_source_runner", "runner"),
                          ("pyspark.daemon", "python workers"), ("pyspark/daemon", "python workers"),
                          ("pyspark.worker", "python workers")):
         if needle in cmd:
@@ -57,7 +57,7 @@ def run_processes(root_pid: int, runtime_dir: str) -> dict[int, tuple[str, psuti
             out[p.pid] = (kind, p)
     for p in psutil.process_iter(["cmdline"]):
         try:
-            if "spark_share.agent" in " ".join(p.info["cmdline"] or []) and p.cwd() == runtime_dir:
+            if "spark_share.executor.agent" in " ".join(p.info["cmdline"] or []) and p.cwd() == runtime_dir:
                 out[p.pid] = ("agent", p)
         except psutil.Error:
             continue
@@ -242,7 +242,7 @@ def query_runs(events_path: str) -> int:
 # of every JVM thread that called into Python, and a Python thread serving it, after the JVM thread
 # ended: each run's stream thread calls foreachBatch. The JVM keeps two sockets per run, the epoll
 # and event descriptors of a selector (two anon_inode fds), and an idle worker monitor thread: the
-# same for a Python streaming source that is not ours (jobs/spark_run_cost.py: 4 JVM fds per run
+# same for a Python streaming source that is not ours (benchmarks/spark_run_cost.py: 4 JVM fds per run
 # with Spark's floor source, 1 with the rate source). These are taken off the driver's and JVM's
 # counts before judging, so the verdict sees what grows apart from query restarts (a run of ours
 # restarts every ~40 s).

@@ -19,12 +19,12 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
+from ..options import ShareSourceOptions, scrub
+from ..transport.protocol import Ack, AckResult, DeadLetter, call, call_async
 from .batches import ACCEPT, QUEUED, REJECT, RELEASE, AckOutcome, BatchState
-from .options import ShareSourceOptions, scrub
 from .policy import BatchPolicy
-from .protocol import Ack, AckResult, DeadLetter, call, call_async
 
-log = logging.getLogger("spark_share.tracker")
+log = logging.getLogger("spark_share.driver.tracker")
 
 AGENT_LOST = "AGENT_LOST"  # the error a lost agent's records are counted under
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import logging
 
-from . import connect, wire
+from .. import connect
+from ..errors import VerdictError
+from ..transport import wire
+from ..transport.protocol import Verdicts, call
 from .client import tracker_for, trackers_on_this_host
-from .errors import VerdictError
-from .protocol import Verdicts, call
 
-log = logging.getLogger("spark_share.verdicts")
+log = logging.getLogger("spark_share.user.verdicts")
 
 COORDINATES = ("topic", "partition", "offset")
 

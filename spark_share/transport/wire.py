@@ -33,9 +33,9 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from .errors import WIRE_ERRORS, AuthError, RemoteError, SparkShareError
+from ..errors import WIRE_ERRORS, AuthError, RemoteError, SparkShareError
 
-log = logging.getLogger("spark_share.wire")
+log = logging.getLogger("spark_share.transport.wire")
 
 _MAGIC = b"SSHR3"  # 2: every frame carries a tag; 3: the server's hello says whether frames are encrypted
 _ENCRYPTED = b"\x01"

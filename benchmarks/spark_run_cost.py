@@ -1,11 +1,11 @@
 """What Spark's JVM keeps open per query run, for a streaming source that is not ours.
 
-    .venv/bin/python jobs/spark_run_cost.py [floor|rate|kafka-share] [--runs 9]
+    .venv/bin/python benchmarks/spark_run_cost.py [floor|rate|kafka-share] [--runs 9]
 
 Starts and stops a foreachBatch query on the given source ``--runs`` times in one Spark session
 and prints the JVM's open descriptors by kind after each run. ``floor`` is a Python streaming data
-source that does no work (jobs/bench_floor.py), ``rate`` Spark's own; ``kafka-share`` reads a topic
-of the embedded broker. The chaos verdict (jobs/resources.py, PER_QUERY_RUN) takes what the floor
+source that does no work (benchmarks/bench_floor.py), ``rate`` Spark's own; ``kafka-share`` reads a topic
+of the embedded broker. The chaos verdict (tests/harness/resources.py, PER_QUERY_RUN) takes what the floor
 source keeps per run off the JVM's counts.
 """
 from __future__ import annotations
@@ -36,8 +36,8 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=9)
     args = ap.parse_args(argv)
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "jobs"), ROOT])  # workers import both
-    sys.path[:0] = [os.path.join(ROOT, "jobs"), ROOT]
+    os.environ["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "benchmarks"), ROOT])  # workers import both
+    sys.path[:0] = [os.path.join(ROOT, "benchmarks"), ROOT]
     import psutil
     from bench_floor import FloorSource
     from pyspark.sql import SparkSession

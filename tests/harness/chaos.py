@@ -1,8 +1,8 @@
 """Chaos run: a continuous kafka-share query under random, overlapping faults; then the no-loss
 check and the resource verdict.
 
-    .venv/bin/python jobs/chaos.py --minutes 3 --seed 1 --out chaos-out
-    .venv/bin/python jobs/chaos.py --minutes 60 --seed 7 --out chaos-60 --sample-every 10   # the soak
+    .venv/bin/python tests/harness/chaos.py --minutes 3 --seed 1 --out chaos-out
+    .venv/bin/python tests/harness/chaos.py --minutes 60 --seed 7 --out chaos-60 --sample-every 10   # the soak
 
 Two processes. This one is Kafka and the operator: it runs the embedded broker, produces at a
 steady rate, reads the dead-letter topic, draws the faults from ``--seed`` and injects them, samples
@@ -16,7 +16,7 @@ runner SIGKILLed; the query stopped and restarted; foreachBatch raising after it
 down and up; ShareFetch and ShareAcknowledge errors; a batch that outlives the record lock.
 
 ``--kafka-start SCRIPT`` runs the same on a real Kafka >= 4.2 broker started from SCRIPT (the kit's
-interface, tests/kafka_kit.py; e.g. ../shared/kafka/bin/start.sh) instead of the embedded one. Its
+interface, tests/harness/kafka_kit.py; e.g. ../shared/kafka/bin/start.sh) instead of the embedded one. Its
 broker faults are a clean restart (``broker_restart``) and a SIGKILL then a start on the same data
 directory (``broker_kill``); error injection (``fetch_errors``, ``ack_errors``) and ``broker_down``
 exist only on the embedded broker.
@@ -41,9 +41,9 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))  # kafka_kit: the real broker of --kafka-start
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # harness: the real broker of --kafka-start, the resource sampler
 
 TOPIC, DLQ = "chaos", "chaos-dlq"
 KILLS = {"kill_worker": "python workers", "kill_agent": "agent", "kill_runner": "runner"}  # fault -> process kind
@@ -247,7 +247,7 @@ class Operator:
 
     # process faults ------------------------------------------------------------------------
     def _procs(self, kind: str):
-        from resources import run_processes
+        from harness.resources import run_processes
 
         return sorted((p for k, p in run_processes(self.query.pid, self.runtime).values() if k == kind),
                       key=lambda p: p.pid)
@@ -393,7 +393,7 @@ def _broker(args, group: str):
         ResourceType,
     )
 
-    from kafka_kit import KitCluster
+    from harness.kafka_kit import KitCluster
 
     with KitCluster(os.path.abspath(args.kafka_start)) as kit:
         admin = AdminClient({"bootstrap.servers": kit.bootstrap_servers})
@@ -439,7 +439,7 @@ def main(argv=None) -> int:
     seconds = args.minutes * 60
     warmup = args.warmup if args.warmup is not None else min(300.0, seconds / 3)
 
-    import resources
+    from harness import resources
 
     out = os.path.abspath(args.out)
     runtime = os.path.join(out, "runtime")

@@ -30,11 +30,11 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import records, runtime, wire
-from .batches import ACCEPT
-from .options import sized
-from .pool import SessionPool, poll_budget
-from .protocol import (
+from .. import runtime
+from ..driver.batches import ACCEPT
+from ..options import sized
+from ..transport import wire
+from ..transport.protocol import (
     TASK_TO_AGENT,
     TRACKER_TO_AGENT,
     Ack,
@@ -51,11 +51,13 @@ from .protocol import (
     call,
     dispatcher,
 )
+from . import records
+from .pool import SessionPool, poll_budget
 
 if TYPE_CHECKING:
     from .session import ShareSession
 
-log = logging.getLogger("spark_share.agent")
+log = logging.getLogger("spark_share.executor.agent")
 
 @dataclass
 class Cached:
@@ -81,7 +83,7 @@ class Agent:
 
     def __init__(self, tracker_addr, tracker_id: str, secret: str, consumer_config: dict[str, str],
                  producer_config: dict[str, str], secret_values: list[str]):
-        from .options import scrub
+        from ..options import scrub
 
         self.tracker_id = tracker_id
         self.agent_id = f"{socket.gethostname()}:{os.getpid()}"
@@ -337,7 +339,7 @@ def main() -> None:
         agent = Agent(params["tracker"], params["tracker_id"], params["secret"], params["consumer_config"],
                       params["producer_config"], params["secret_values"])
     except Exception as e:
-        from .options import scrub
+        from ..options import scrub
 
         why = scrub(f"{type(e).__name__}: {e}", params["secret_values"])
         log.error("agent failed to start: %s", why)

@@ -18,7 +18,8 @@ import subprocess
 import sys
 import time
 
-from . import runtime, wire
+from .. import runtime
+from ..transport import wire
 
 SPAWN_TIMEOUT_S = 60.0
 
@@ -79,7 +80,7 @@ def _spawn_agent(tracker_addr, tracker_id: str, secret: str, opts, alive_fd: int
     with open(log_path, "ab") as logf:
         os.chmod(log_path, 0o600)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "spark_share.agent"],
+            [sys.executable, "-m", "spark_share.executor.agent"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf,
             close_fds=True, pass_fds=(alive_fd,), start_new_session=True, cwd=runtime.runtime_dir(), env=env)
     assert proc.stdin is not None and proc.stdout is not None  # both are pipes

@@ -17,11 +17,12 @@ import warnings
 
 from pyspark.sql.streaming import StreamingQueryListener
 
-from . import client, connect, runtime
-from .offsets import batch_of
-from .protocol import Committed, call_async
+from .. import connect, runtime
+from ..offsets import batch_of
+from ..transport.protocol import Committed, call_async
+from . import client
 
-log = logging.getLogger("spark_share.listener")
+log = logging.getLogger("spark_share.user.listener")
 
 
 _installed: set[int] = set()

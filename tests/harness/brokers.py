@@ -1,6 +1,6 @@
 """The Kafka a test runs against: a fresh embedded broker per test (librdkafka's mock cluster), a real
 Kafka >= 4.2 broker the harness starts for the session from a start script the user names
-(``SPARK_SHARE_TEST_KAFKA_START``: tests/kafka_kit.py), or a Kafka >= 4.2 cluster of the user's when
+(``SPARK_SHARE_TEST_KAFKA_START``: tests/harness/kafka_kit.py), or a Kafka >= 4.2 cluster of the user's when
 ``SPARK_SHARE_TEST_BOOTSTRAP`` is set. CI runs the suite twice: embedded, then on the kit's broker.
 
 Owns: the one interface the tests use on either (``bootstrap_servers``, ``client()``, ``name()``,
@@ -9,7 +9,7 @@ settings), reading the two environment variables, and the skip of what only the 
 do (error injection, broker down/up, request tracking, per-test record-lock limits).
 
 On an external cluster every topic and group a test names becomes ``spark-share-test-<8 hex>-<name>``
-(one prefix per test): jobs/clusters.py creates, configures and deletes them, as it does for the
+(one prefix per test): tests/harness/kafka_cluster.py creates, configures and deletes them, as it does for the
 benchmark.
 
 Must never: create, alter or delete a topic or group on an external cluster that it did not name
@@ -24,12 +24,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import pytest
-from clusters import CleanupWarning, ClusterError, EmbeddedCluster, ExternalCluster, _reason  # noqa: F401 (CleanupWarning: for tests)
-from clusters import parse_options as _parse_options
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 
-from kafka_kit import START_VAR, KitCluster
+from harness.kafka_cluster import CleanupWarning, ClusterError, EmbeddedCluster, ExternalCluster, _reason  # noqa: F401 (CleanupWarning: for tests)
+from harness.kafka_cluster import parse_options as _parse_options
+from harness.kafka_kit import START_VAR, KitCluster
 from spark_share.options import scrub
 
 BOOTSTRAP_VAR = "SPARK_SHARE_TEST_BOOTSTRAP"
@@ -207,5 +207,5 @@ def choose_broker(env: Mapping[str, str] = os.environ) -> BrokerChoice:
 
 
 def parse_options(text: str) -> dict[str, str]:
-    """SPARK_SHARE_TEST_KAFKA_OPTIONS: see jobs/clusters.py's ``parse_options``."""
+    """SPARK_SHARE_TEST_KAFKA_OPTIONS: see tests/harness/kafka_cluster.py's ``parse_options``."""
     return _parse_options(text, OPTIONS_VAR, BOOTSTRAP_VAR)

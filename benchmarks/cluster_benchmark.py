@@ -1,8 +1,8 @@
 """The benchmark's cluster mode: kafka-share on a Spark standalone cluster of 2 and 3 worker hosts
-(network namespaces on this machine: tests/cluster.py), next to a raw share-consumer loop with one
+(network namespaces on this machine: tests/harness/spark_hosts.py), next to a raw share-consumer loop with one
 consumer on each of the same hosts, on one embedded broker.
 
-    .venv/bin/python jobs/cluster_benchmark.py [--hosts 2,3] [--records 60000] [--partitions 12]
+    .venv/bin/python benchmarks/cluster_benchmark.py [--hosts 2,3] [--records 60000] [--partitions 12]
 
 Needs root and socat, as the cluster tests. Prints a table and writes results.json to --out. Every
 "host" shares this machine's 2 cores, and one embedded broker (one thread) serves them all: the
@@ -106,7 +106,7 @@ def measure(hosts: int, args) -> dict:
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from confluent_kafka import Producer
 
-    from cluster import NamespaceCluster
+    from harness.spark_hosts import NamespaceCluster
     from spark_share.embedded import EmbeddedKafka
 
     row: dict = {"hosts": hosts}
@@ -122,7 +122,7 @@ def measure(hosts: int, args) -> dict:
                     p.produce(name, key=str(i).encode(), value=b"x" * 100, partition=i % args.partitions)
                     p.poll(0)
             p.flush(60)
-            env = {"PYTHONPATH": ROOT, "PYSPARK_PYTHON": sys.executable}  # the source runner imports pyarrow
+            env = {"PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]), "PYSPARK_PYTHON": sys.executable}  # the source runner imports pyarrow
             cfg = {"bootstrap": kafka.bootstrap_servers, "group": f"raw-{uuid.uuid4().hex[:6]}", "topic": "raw"}
             raws = [c.spawn(f"w{i}", [sys.executable, "-c", RAW, json.dumps(cfg)], env=env, log_name=f"raw-w{i}.log")
                     for i in range(1, hosts + 1)]

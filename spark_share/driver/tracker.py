@@ -25,7 +25,27 @@ import threading
 import time
 import uuid
 
-from . import backlog, runtime, wire
+from .. import runtime
+from ..errors import BatchRefused, SourceError
+from ..executor.deadletter import check_target
+from ..options import ShareSourceOptions, scrub
+from ..transport import wire
+from ..transport.protocol import (
+    TO_TRACKER,
+    Acquired,
+    Claim,
+    Committed,
+    Fetch,
+    Hello,
+    Prefetch,
+    Shutdown,
+    Status,
+    Verdicts,
+    call,
+    call_async,
+    dispatcher,
+)
+from . import backlog
 from .acks import AGENT_LOST, Acknowledger
 from .batches import (
     ACCEPT,
@@ -43,28 +63,10 @@ from .batches import (
     BatchState,
 )
 from .commitlog import CommitLog
-from .deadletter import check_target
-from .errors import BatchRefused, SourceError
-from .options import ShareSourceOptions, scrub
 from .policy import DEFAULT_RECORD_LOCKS, BatchPolicy
-from .protocol import (
-    TO_TRACKER,
-    Acquired,
-    Claim,
-    Committed,
-    Fetch,
-    Hello,
-    Prefetch,
-    Shutdown,
-    Status,
-    Verdicts,
-    call,
-    call_async,
-    dispatcher,
-)
 from .watermarks import MetadataWatcher
 
-log = logging.getLogger("spark_share.tracker")
+log = logging.getLogger("spark_share.driver.tracker")
 
 __all__ = ["Tracker", "AGENT_LOST"]
 

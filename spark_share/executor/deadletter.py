@@ -17,7 +17,7 @@ import uuid
 
 import pyarrow as pa
 
-from .errors import DeadLetterError, SourceError
+from ..errors import DeadLetterError, SourceError
 
 HEADER_PREFIX = "spark-share."
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 import json
 import threading
 
-from . import connect, runtime, wire
-from .errors import VerdictError
-from .protocol import Status, call
+from .. import connect, runtime
+from ..errors import VerdictError
+from ..transport import wire
+from ..transport.protocol import Status, call
 
 _conns: dict[str, wire.RpcConnection] = {}  # tracker id -> connection
 _queries: dict[str, str] = {}  # query id -> tracker id
