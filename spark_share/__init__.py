@@ -11,13 +11,19 @@
 from __future__ import annotations
 
 from .errors import (
+    AgentError,
+    ArgumentError,
     AuthError,
     BatchRefused,
     ConfigError,
     DeadLetterError,
     EmbeddedKafkaError,
+    JobError,
     OptionError,
+    PeerConnectionError,
+    ProtocolError,
     RemoteError,
+    RuntimeDirError,
     SourceError,
     SparkShareError,
     VerdictError,
@@ -27,7 +33,8 @@ __version__ = "0.1.0"
 
 __all__ = ["register", "reject", "release", "status", "__version__", "SparkShareError", "OptionError",
            "ConfigError", "SourceError", "BatchRefused", "VerdictError", "DeadLetterError", "EmbeddedKafkaError",
-           "AuthError", "RemoteError"]
+           "AuthError", "RemoteError", "AgentError", "ArgumentError", "JobError", "PeerConnectionError", "ProtocolError",
+           "RuntimeDirError"]
 
 
 def register(spark) -> None:

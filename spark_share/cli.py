@@ -40,10 +40,11 @@ def _broker_args(p: argparse.ArgumentParser) -> None:
 
 def _broker(args: argparse.Namespace) -> int:
     from .embedded import EmbeddedKafka, parse_topic_spec
+    from .errors import ArgumentError
 
     try:
         topics = [parse_topic_spec(t) for t in args.topic]
-    except ValueError as e:
+    except ArgumentError as e:
         print(f"spark-share broker: {e}", file=sys.stderr)
         return 2
     if args.brokers < 1:

@@ -6,7 +6,7 @@ down/up, leader moves). It speaks the real Kafka wire protocol on loopback, so S
 and any confluent-kafka client reach it through ``bootstrap_servers``.
 
 Must never: be used in production (it keeps everything in memory and has the quirks listed in
-the README), or leave a cluster or its threads behind (``close`` is idempotent and runs on
+docs/embedded-broker.md), or leave a cluster or its threads behind (``close`` is idempotent and runs on
 ``__exit__`` and on interpreter exit).
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import os
 import threading
 from collections.abc import Iterable, Sequence
 
-from .errors import EmbeddedKafkaError
+from .errors import ArgumentError, EmbeddedKafkaError
 
 REQUIRED_CONFLUENT_KAFKA = "2.16.1"
 
@@ -122,7 +122,7 @@ class EmbeddedKafka:
                  session_timeout_ms: int | None = None,
                  heartbeat_interval_ms: int | None = None):
         if brokers < 1:
-            raise ValueError("brokers must be >= 1")
+            raise ArgumentError("brokers must be >= 1")
         self._lib = _load()
         self._lock = threading.Lock()
         self._rk = None
@@ -200,7 +200,7 @@ class EmbeddedKafka:
     # groups created afterwards) ---------------------------------------------------------
     def set_auto_offset_reset(self, reset: str) -> None:
         if reset not in ("earliest", "latest"):
-            raise ValueError("auto_offset_reset must be 'earliest' or 'latest'")
+            raise ArgumentError("auto_offset_reset must be 'earliest' or 'latest'")
         self._lib.rd_kafka_mock_sharegroup_set_auto_offset_reset(self._cluster(), 1 if reset == "earliest" else 0)
 
     def set_record_lock_duration(self, ms: int) -> None:
@@ -227,7 +227,7 @@ class EmbeddedKafka:
             try:
                 return API_KEYS[api]
             except KeyError:
-                raise ValueError(f"unknown API {api!r}; known: {sorted(API_KEYS)} or a numeric key") from None
+                raise ArgumentError(f"unknown API {api!r}; known: {sorted(API_KEYS)} or a numeric key") from None
         return int(api)
 
     def push_request_errors(self, api, errors: Sequence[int]) -> None:
@@ -300,11 +300,11 @@ def parse_topic_spec(spec: str) -> tuple[str, int]:
     """``orders:4`` -> ("orders", 4); ``orders`` -> ("orders", 1)."""
     name, _, parts = spec.partition(":")
     if not name:
-        raise ValueError(f"bad topic {spec!r}: expected NAME or NAME:PARTITIONS")
+        raise ArgumentError(f"bad topic {spec!r}: expected NAME or NAME:PARTITIONS")
     try:
         n = int(parts) if parts else 1
     except ValueError:
-        raise ValueError(f"bad topic {spec!r}: PARTITIONS must be an integer") from None
+        raise ArgumentError(f"bad topic {spec!r}: PARTITIONS must be an integer") from None
     if n < 1:
-        raise ValueError(f"bad topic {spec!r}: PARTITIONS must be >= 1")
+        raise ArgumentError(f"bad topic {spec!r}: PARTITIONS must be >= 1")
     return name, n

@@ -5,6 +5,8 @@ a secret or Kafka offsets (a share group has no offsets to resume from; the brok
 """
 from __future__ import annotations
 
+from .errors import SourceError
+
 OFFSET_VERSION = 1
 INITIAL = -1  # the offset before the first batch
 
@@ -16,6 +18,6 @@ def offset_of(batch: int) -> dict:
 def batch_of(offset: dict) -> int:
     """The batch id in an offset; a clear error for an offset another source or version wrote."""
     if not isinstance(offset, dict) or offset.get("v") != OFFSET_VERSION or "batch" not in offset:
-        raise ValueError(f"unrecognised kafka-share offset {offset!r}: this checkpoint was written by another "
+        raise SourceError(f"unrecognised kafka-share offset {offset!r}: this checkpoint was written by another "
                          "source or version; start the query with a new checkpointLocation")
     return int(offset["batch"])

@@ -1,7 +1,9 @@
-"""Options of ``format("kafka-share")``: parse, validate, redact.
+"""Options of ``format("kafka-share")``: declare, parse, validate, redact, document.
 
-Owns: the list of options and their defaults, every "bad option" error message, the share
-consumer configuration derived from ``kafka.*`` options, and redaction of secrets.
+Owns: the one declaration of each option (``OPTIONS``: name, default, parser with its bounds, doc),
+every "bad option" error message, the ``kafka.*`` pass-through rules and the client configurations
+derived from them, redaction of secrets, and the text of docs/options.md
+(``python -m spark_share.options > docs/options.md``).
 
 Must never: do I/O (it runs wherever Spark instantiates the source), put a secret value in an
 error message or a repr, or silently accept an option it does not act on.
@@ -9,32 +11,159 @@ error message or a repr, or silently accept an option it does not act on.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from .errors import OptionError
 
-DEFAULT_POLL_TIMEOUT_MS = 1000
+# Poll size when neither the tracker (which fills the lock budget) nor the user chose one.
 DEFAULT_MAX_POLL_RECORDS = 10000
-DEFAULT_ACK_TIMEOUT_MS = 30000
-DEFAULT_IDLE_PROBE_MS = 10000
 
-# Our own options: name -> (default, description). Lookups are case-insensitive like Spark's.
-SOURCE_OPTIONS: dict[str, tuple[str | None, str]] = {
-    "subscribe": (None, "comma-separated topics (required)"),
-    "includeHeaders": ("false", "add a headers column"),
-    "numPartitions": (None, "Spark tasks, and so share consumers, per micro-batch; default: the number of subscribed topic-partitions"),
-    "maxRecordsPerTrigger": (None, "upper bound of records per micro-batch; default: no limit beyond one poll per consumer"),
-    "pollTimeoutMs": (str(DEFAULT_POLL_TIMEOUT_MS), "how long a read task waits for its first records"),
-    "ackTimeoutMs": (str(DEFAULT_ACK_TIMEOUT_MS), "how long the driver side waits for acknowledgements to be confirmed"),
-    "idleProbeIntervalMs": (str(DEFAULT_IDLE_PROBE_MS), "with no sign of new records, how often a (cheap) probe batch runs"),
-    "deadLetterTopic": (None, "Kafka topic (same cluster) where rejected records are written before their REJECT"),
-    "deadLetterPath": (None, "Parquet table path where rejected records are written before their REJECT"),
-    "maxDeliveryCount": (None, "records delivered this many times are rejected to the dead-letter target before reaching your code"),
-    "maxRecordLocks": (None, "records each partition may have in flight for the group (the broker's group.share.partition.max.record.locks); polls are sized to fill it; default: read from the broker, else Kafka's default 2000"),
-    "networkEncryption": ("auto", "encrypt what crosses the network between the driver side and executors (records re-read from another host, verdicts): true, false, or auto (on when kafka.security.protocol is SSL or SASL_SSL)"),
-    "trackerPort": ("0", "port (N) or port range (N-M) where the driver side listens for executors; 0: any free port"),
-}
+
+# --- parsers: (option name, text) -> value, or an OptionError that names the option ---------------
+@dataclass(frozen=True)
+class Parser:
+    accepts: str  # the values it takes, as docs/options.md shows them
+    parse: Callable[[str, str], Any]
+
+
+def integer(lo: int, hi: int) -> Parser:
+    def parse(name: str, raw: str) -> int:
+        try:
+            v = int(raw.strip())
+        except ValueError:
+            raise OptionError(f"option '{name}' must be an integer, got {raw!r}") from None
+        if not lo <= v <= hi:
+            raise OptionError(f"option '{name}' must be between {lo} and {hi}, got {v}")
+        return v
+
+    return Parser(f"{lo:,} or more" if hi >= 2**62 else f"{lo:,} to {hi:,}", parse)
+
+
+def duration_ms(lo: int, hi: int) -> Parser:
+    """Milliseconds, from ``lo`` to ``hi``."""
+    return Parser(f"{_ms_text(lo)} to {_ms_text(hi)}", integer(lo, hi).parse)
+
+
+def _ms_text(ms: int) -> str:
+    for unit, size in (("h", 3_600_000), ("min", 60_000), ("s", 1000)):
+        if ms >= size and ms % size == 0:
+            return f"{ms // size} {unit}"
+    return f"{ms} ms"
+
+
+def _boolean(name: str, raw: str) -> bool:
+    v = raw.strip().lower()
+    if v in ("true", "1", "yes"):
+        return True
+    if v in ("false", "0", "no"):
+        return False
+    raise OptionError(f"option '{name}' must be true or false, got {raw!r}")
+
+
+def _text(name: str, raw: str) -> str | None:
+    return raw.strip() or None
+
+
+def _topics(name: str, raw: str) -> tuple[str, ...]:
+    topics = [t.strip() for t in raw.split(",")]
+    if not any(topics):
+        raise OptionError(f"option '{name}' is empty: give at least one topic")
+    if not all(topics):
+        raise OptionError(f"option '{name}' has an empty topic name in {raw!r}")
+    bad = [t for t in topics if not re.fullmatch(r"[A-Za-z0-9._-]{1,249}", t)]
+    if bad:
+        raise OptionError(f"option '{name}' has invalid topic names {bad}: use letters, digits, '.', '_' and '-'")
+    dups = sorted({t for t in topics if topics.count(t) > 1})
+    if dups:
+        raise OptionError(f"option '{name}' lists {dups} more than once")
+    return tuple(topics)
+
+
+def _port_range(name: str, raw: str) -> tuple[int, int]:
+    """'0' (any), 'N' or 'N-M' -> (first, last)."""
+    lo, sep, hi = raw.strip().partition("-")
+    try:
+        first, last = int(lo), int(hi if sep else lo)
+    except ValueError:
+        raise OptionError(f"option '{name}' must be a port (e.g. 40100) or a range (e.g. 40100-40199), "
+                          f"got {raw!r}") from None
+    if not (0 <= first <= last <= 65535) or (first == 0 and last != 0):
+        raise OptionError(f"option '{name}' = {raw!r}: give 0 (any free port), a port between 1 and 65535, "
+                          "or a range N-M with N <= M")
+    return first, last
+
+
+boolean = Parser("`true` or `false`", _boolean)
+plain_text = Parser("text", _text)
+topic_list = Parser("topic names, comma-separated", _topics)
+port_range = Parser("`0`, a port `N` or a range `N-M`", _port_range)
+
+
+# --- the options ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Option:
+    name: str  # as documented; matched case-insensitively, as Spark does
+    field: str  # the ShareSourceOptions field it sets
+    default: str | None  # parsed like a given value; None: the field is None unless given
+    parser: Parser
+    doc: str  # Markdown, one paragraph; a required option's doc is also its error message
+    example: str | None = None  # only a required option has one (it has no default)
+
+    @property
+    def required(self) -> bool:
+        return self.example is not None
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("kafka.bootstrap.servers", "bootstrap_servers", None, plain_text,
+           "the Kafka cluster (Kafka >= 4.2 with share groups enabled)", example="broker:9092"),
+    Option("kafka.group.id", "group_id", None, plain_text,
+           "the share group", example="orders"),
+    Option("subscribe", "topics", None, topic_list,
+           "the topics to read", example="orders,payments"),
+    Option("includeHeaders", "include_headers", "false", boolean,
+           "add the `headers` column, `array<struct<key string, value binary>>`"),
+    Option("numPartitions", "num_partitions", None, integer(1, 10_000),
+           "Spark tasks per micro-batch, and so share consumers (one poll each per batch). "
+           "Default: the number of subscribed topic-partitions"),
+    Option("maxRecordsPerTrigger", "max_records_per_trigger", None, integer(1, 2**62),
+           "upper bound of records per micro-batch (admission control; ignored under `ReadAllAvailable`, "
+           "as Spark requires). Default: no bound beyond one poll per consumer"),
+    Option("pollTimeoutMs", "poll_timeout_ms", "1000", duration_ms(0, 600_000),
+           "the longest a read task waits for records. A poll returns as soon as records arrive, and an "
+           "empty one as soon as a fetch sent after it began came back empty; a consumer's very first poll "
+           "may wait until the consumer is 5 s old, for the group join"),
+    Option("ackTimeoutMs", "ack_timeout_ms", "30000", duration_ms(100, 3_600_000),
+           "how long the driver side waits for the broker to confirm a batch's acknowledgements"),
+    Option("idleProbeIntervalMs", "idle_probe_ms", "10000", duration_ms(100, 86_400_000),
+           "with no sign of new records (high watermarks unchanged), how often a probe batch runs; it "
+           "catches records released or expired elsewhere"),
+    Option("deadLetterTopic", "dead_letter_topic", None, plain_text,
+           "Kafka topic (same cluster, same security settings) that receives rejected records before "
+           "their REJECT; it must exist and must not be subscribed"),
+    Option("deadLetterPath", "dead_letter_path", None, plain_text,
+           "Parquet table path that receives rejected records before their REJECT (every executor must "
+           "reach it). Give `deadLetterTopic` or `deadLetterPath`, not both"),
+    Option("maxDeliveryCount", "max_delivery_count", None, integer(1, 1000),
+           "records delivered this many times are rejected to the dead-letter target before they reach "
+           "your code; needs `deadLetterTopic` or `deadLetterPath`"),
+    Option("maxRecordLocks", "max_record_locks", None, integer(1, 1_000_000),
+           "records of one partition the group may have in flight: the broker's "
+           "`group.share.partition.max.record.locks`. A batch holds its records until Spark commits it, so "
+           "partitions x this caps a batch; each consumer's polls are sized to its share of that budget (and "
+           "of `maxRecordsPerTrigger`; a `kafka.max.poll.records` you give caps them). Default: the source "
+           "asks the broker once at start (`describe_configs`, needs DescribeConfigs on the cluster), else "
+           "Kafka's default 2000; set it when that is refused or the group has its own cap (Kafka >= 4.3)"),
+    Option("trackerPort", "tracker_ports", "0", port_range,
+           "the port (`40100`) or port range (`40100-40199`) where the driver side listens for the "
+           "executors' agents, for firewalled clusters; `0`: any free port"),
+)
+_BY_NAME = {o.name.lower(): o for o in OPTIONS}
+
+# kafka.* options we check before passing them on.
+CHECKED_KAFKA = {"max.poll.records": integer(1, 1_000_000)}
 
 # Spark Kafka source options that mean nothing for a share group, with what to do instead.
 NOT_FOR_SHARE_GROUPS = {
@@ -52,6 +181,7 @@ NOT_FOR_SHARE_GROUPS = {
     "minPartitions": "use 'numPartitions'",
     "groupIdPrefix": "set the share group explicitly with 'kafka.group.id'",
 }
+_NOT_FOR_SHARE_GROUPS = {k.lower(): k for k in NOT_FOR_SHARE_GROUPS}
 
 # Consumer configs a share consumer rejects, or that are group configs on the broker.
 REJECTED_KAFKA = {
@@ -96,59 +226,25 @@ def scrub(text: str, secrets: list[str]) -> str:
     return text
 
 
-def _int(name: str, raw: str, lo: int, hi: int = 2**31 - 1) -> int:
-    try:
-        v = int(str(raw).strip())
-    except ValueError:
-        raise OptionError(f"option '{name}' must be an integer, got {raw!r}") from None
-    if not lo <= v <= hi:
-        raise OptionError(f"option '{name}' must be between {lo} and {hi}, got {v}")
-    return v
-
-
-def _bool(name: str, raw: str) -> bool:
-    v = str(raw).strip().lower()
-    if v in ("true", "1", "yes"):
-        return True
-    if v in ("false", "0", "no"):
-        return False
-    raise OptionError(f"option '{name}' must be true or false, got {raw!r}")
-
-
-def _port_range(raw: str) -> tuple[int, int]:
-    """'0' (any), 'N' or 'N-M' -> (first, last)."""
-    text = str(raw).strip()
-    lo, sep, hi = text.partition("-")
-    try:
-        first, last = int(lo), int(hi if sep else lo)
-    except ValueError:
-        raise OptionError(f"option 'trackerPort' must be a port (e.g. 40100) or a range (e.g. 40100-40199), "
-                          f"got {raw!r}") from None
-    if not (0 <= first <= last <= 65535) or (first == 0 and last != 0):
-        raise OptionError(f"option 'trackerPort' = {raw!r}: give 0 (any free port), a port between 1 and 65535, "
-                          "or a range N-M with N <= M")
-    return first, last
-
-
 @dataclass(frozen=True)
 class ShareSourceOptions:
+    """The parsed options; ``OPTIONS`` declares how each field is set (``parse_options``)."""
     bootstrap_servers: str
     group_id: str
     topics: tuple[str, ...]
-    include_headers: bool = False
-    num_partitions: int | None = None
-    max_records_per_trigger: int | None = None
-    poll_timeout_ms: int = DEFAULT_POLL_TIMEOUT_MS
-    ack_timeout_ms: int = DEFAULT_ACK_TIMEOUT_MS
-    idle_probe_ms: int = DEFAULT_IDLE_PROBE_MS
-    dead_letter_topic: str | None = None
-    dead_letter_path: str | None = None
-    max_delivery_count: int | None = None
-    tracker_ports: tuple[int, int] = (0, 0)  # first and last port the tracker may listen on; (0, 0): any
-    max_record_locks: int | None = None  # the broker's in-flight cap per partition, if the user gave it
-    encrypt_network: bool = False  # the tracker's connections encrypt their frames (wire.py)
+    include_headers: bool
+    num_partitions: int | None
+    max_records_per_trigger: int | None
+    poll_timeout_ms: int
+    ack_timeout_ms: int
+    idle_probe_ms: int
+    dead_letter_topic: str | None
+    dead_letter_path: str | None
+    max_delivery_count: int | None
+    max_record_locks: int | None  # the broker's in-flight cap per partition, if the user gave it
+    tracker_ports: tuple[int, int]  # first and last port the tracker may listen on; (0, 0): any
     # kafka.* options other than bootstrap servers and group id, prefix removed.
-    kafka: dict[str, str] = field(default_factory=dict)
+    kafka: dict[str, str]
 
     def consumer_config(self) -> dict[str, str]:
         """The share consumer's config; ``max.poll.records`` only if the user gave it (see ``sized``)."""
@@ -198,84 +294,177 @@ def sized(consumer_config: Mapping[str, str], chosen: int | None) -> dict[str, s
 
 def parse_options(options: Mapping[str, str]) -> ShareSourceOptions:
     """Validate the options a user gave ``readStream.format("kafka-share")``."""
-    ours = {k.lower(): k for k in SOURCE_OPTIONS}
-    foreign = {k.lower(): k for k in NOT_FOR_SHARE_GROUPS}
-    given: dict[str, str] = {}
+    given: dict[str, str] = {}  # declared name -> text
     kafka: dict[str, str] = {}
     for key, value in options.items():
-        low = key.lower()
+        low, raw = key.lower(), "" if value is None else str(value)
         if low == "path":
             raise OptionError("kafka-share takes no path; use option('subscribe', 'topic1,topic2')")
-        if low.startswith("kafka."):
-            kkey = key[len("kafka."):].lower()
-            if kkey in REJECTED_KAFKA:
-                raise OptionError(f"option '{key}' is not accepted by a share consumer: {REJECTED_KAFKA[kkey]}")
-            kafka[kkey] = "" if value is None else str(value)
-        elif low in foreign:
-            name = foreign[low]  # Spark hands options over lower-cased; name them as documented
+        if low in _BY_NAME:
+            given[_BY_NAME[low].name] = raw
+        elif low.startswith("kafka."):
+            config = low[len("kafka."):]
+            if config in REJECTED_KAFKA:
+                raise OptionError(f"option '{key}' is not accepted by a share consumer: {REJECTED_KAFKA[config]}")
+            if config in CHECKED_KAFKA:
+                CHECKED_KAFKA[config].parse(f"kafka.{config}", raw)
+            kafka[config] = raw
+        elif low in _NOT_FOR_SHARE_GROUPS:
+            name = _NOT_FOR_SHARE_GROUPS[low]  # Spark hands options over lower-cased; name them as documented
             raise OptionError(f"option '{name}' is not supported by kafka-share: {NOT_FOR_SHARE_GROUPS[name]}")
-        elif low in ours:
-            given[ours[low]] = str(value)
         else:
-            raise OptionError(
-                f"unknown option '{key}' for kafka-share; known options: {', '.join(sorted(SOURCE_OPTIONS))} "
-                "and kafka.* (passed to the share consumer)")
+            known = sorted(o.name for o in OPTIONS if not o.name.startswith("kafka."))
+            raise OptionError(f"unknown option '{key}' for kafka-share; known options: {', '.join(known)} "
+                              "and kafka.* (passed to the share consumer)")
 
-    bootstrap = kafka.pop("bootstrap.servers", "").strip()
-    if not bootstrap:
-        raise OptionError("option 'kafka.bootstrap.servers' is required, e.g. .option('kafka.bootstrap.servers', 'broker:9092')")
-    group = kafka.pop("group.id", "").strip()
-    if not group:
-        raise OptionError("option 'kafka.group.id' is required: it names the share group, e.g. .option('kafka.group.id', 'orders')")
-    raw_topics = given.get("subscribe")
-    if raw_topics is None:
-        raise OptionError("option 'subscribe' is required: a comma-separated list of topics")
-    topics = [t.strip() for t in raw_topics.split(",")]
-    if not any(topics):
-        raise OptionError("option 'subscribe' is empty: give at least one topic")
-    if any(not t for t in topics):
-        raise OptionError(f"option 'subscribe' has an empty topic name in {raw_topics!r}")
-    bad = [t for t in topics if not re.fullmatch(r"[A-Za-z0-9._-]{1,249}", t)]
-    if bad:
-        raise OptionError(f"option 'subscribe' has invalid topic names {bad}: use letters, digits, '.', '_' and '-'")
-    dups = sorted({t for t in topics if topics.count(t) > 1})
-    if dups:
-        raise OptionError(f"option 'subscribe' lists {dups} more than once")
+    values: dict[str, Any] = {}
+    for option in OPTIONS:
+        written = given.get(option.name, option.default)
+        values[option.field] = None if written is None else option.parser.parse(option.name, written)
+        if values[option.field] is None and option.required:
+            raise OptionError(f"option '{option.name}' is required: {option.doc}, "
+                              f"e.g. .option('{option.name}', '{option.example}')")
+    opts = ShareSourceOptions(**values, kafka=kafka)
+    _check_together(opts)
+    return opts
 
-    dlt = given.get("deadLetterTopic", "").strip() or None
-    dlp = given.get("deadLetterPath", "").strip() or None
-    if dlt and dlp:
+
+def _check_together(opts: ShareSourceOptions) -> None:
+    """The checks that involve more than one option."""
+    if opts.dead_letter_topic and opts.dead_letter_path:
         raise OptionError("options 'deadLetterTopic' and 'deadLetterPath' conflict: choose one dead-letter target")
-    if dlt and dlt in topics:
-        raise OptionError(f"option 'deadLetterTopic' = {dlt!r} is also subscribed: rejected records would come back")
-    mdc = given.get("maxDeliveryCount")
-    max_delivery = _int("maxDeliveryCount", mdc, 1, 1000) if mdc is not None else None
-    if max_delivery is not None and not (dlt or dlp):
+    if opts.dead_letter_topic in opts.topics:
+        raise OptionError(f"option 'deadLetterTopic' = {opts.dead_letter_topic!r} is also subscribed: "
+                          "rejected records would come back")
+    if opts.max_delivery_count is not None and not opts.dead_letter:
         raise OptionError("option 'maxDeliveryCount' needs a dead-letter target ('deadLetterTopic' or 'deadLetterPath') "
                           "so the records it rejects can be found")
-    num = given.get("numPartitions")
-    mrt = given.get("maxRecordsPerTrigger")
-    if "max.poll.records" in kafka:
-        _int("kafka.max.poll.records", kafka["max.poll.records"], 1, 1_000_000)
-    encryption = given.get("networkEncryption", "auto").strip().lower()
-    if encryption not in ("auto", "true", "false"):
-        raise OptionError(f"option 'networkEncryption' must be true, false or auto, not {given['networkEncryption']!r}")
-    tls = kafka.get("security.protocol", "").upper() in ("SSL", "SASL_SSL")
-    return ShareSourceOptions(
-        encrypt_network=encryption == "true" or (encryption == "auto" and tls),
-        bootstrap_servers=bootstrap,
-        group_id=group,
-        topics=tuple(topics),
-        include_headers=_bool("includeHeaders", given.get("includeHeaders", "false")),
-        num_partitions=_int("numPartitions", num, 1, 10_000) if num is not None else None,
-        max_records_per_trigger=_int("maxRecordsPerTrigger", mrt, 1, 2**62) if mrt is not None else None,
-        poll_timeout_ms=_int("pollTimeoutMs", given.get("pollTimeoutMs", str(DEFAULT_POLL_TIMEOUT_MS)), 0, 600_000),
-        ack_timeout_ms=_int("ackTimeoutMs", given.get("ackTimeoutMs", str(DEFAULT_ACK_TIMEOUT_MS)), 100, 3_600_000),
-        idle_probe_ms=_int("idleProbeIntervalMs", given.get("idleProbeIntervalMs", str(DEFAULT_IDLE_PROBE_MS)), 100, 86_400_000),
-        dead_letter_topic=dlt,
-        dead_letter_path=dlp,
-        max_delivery_count=max_delivery,
-        tracker_ports=_port_range(given.get("trackerPort", "0")),
-        max_record_locks=_int("maxRecordLocks", given["maxRecordLocks"], 1, 1_000_000) if "maxRecordLocks" in given else None,
-        kafka=kafka,
-    )
+
+
+# --- docs/options.md -----------------------------------------------------------------------------
+EXAMPLE = '''\
+import os
+import sys
+
+from pyspark.sql import SparkSession
+
+import spark_share
+
+os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+spark = SparkSession.builder.master("local[2]").getOrCreate()
+spark_share.register(spark)
+
+orders = (spark.readStream.format("kafka-share")
+          .option("kafka.bootstrap.servers", os.environ["KAFKA_BOOTSTRAP_SERVERS"])
+          .option("kafka.group.id", "orders")
+          .option("subscribe", "orders")
+          .option("includeHeaders", "true")
+          .option("maxRecordsPerTrigger", "5000")
+          .option("deadLetterPath", "/tmp/orders-dead-letters")
+          .option("maxDeliveryCount", "3")
+          .option("kafka.max.poll.records", "2000")
+          .load())
+
+q = (orders.writeStream.format("parquet").option("path", "/tmp/orders")
+     .option("checkpointLocation", "/tmp/orders-ckpt")
+     .trigger(availableNow=True)
+     .start())
+q.awaitTermination()
+print(spark.read.parquet("/tmp/orders").count(), "records written")
+'''
+
+
+def _cell(markdown: str) -> str:
+    return markdown.replace("|", "\\|")
+
+
+def _plain(text: str) -> str:
+    """Plain text (an error message's reason) as a table cell: '<group>' is no HTML tag."""
+    return _cell(text.replace("<", "&lt;").replace(">", "&gt;"))
+
+
+def options_markdown() -> str:
+    """The text of docs/options.md, from the declarations above."""
+    out = [
+        "# Options of `format(\"kafka-share\")`",
+        "",
+        "<!-- Generated from spark_share/options.py: PYTHONPATH=. .venv/bin/python -m spark_share.options "
+        "> docs/options.md -->",
+        "",
+        "Give them with `.option(name, value)` on `spark.readStream.format(\"kafka-share\")`. Names are "
+        "case-insensitive, as in Spark. An option the source does not know, a bad value, or an option it "
+        "would not act on is refused when the source is created, with a `spark_share.OptionError` (a "
+        "`ValueError`) that names the option and says what to do instead.",
+        "",
+        "| option | default | values | meaning |",
+        "|---|---|---|---|",
+    ]
+    for o in OPTIONS:
+        default = "required" if o.required else "none" if o.default is None else f"`{o.default}`"
+        out.append(f"| `{o.name}` | {default} | {_cell(o.parser.accepts)} | {_cell(o.doc)} |")
+    out += [
+        "",
+        "## `kafka.*`: passed to the share consumers",
+        "",
+        "Every other option that starts with `kafka.` goes, without the prefix, to the share consumers "
+        "that read the records on the executors, e.g. `kafka.security.protocol`, "
+        "`kafka.sasl.mechanism`, `kafka.sasl.username`, `kafka.sasl.password`, `kafka.ssl.*`, "
+        "`kafka.fetch.max.bytes`. The source adds `share.acknowledgement.mode=explicit`: records are "
+        "acknowledged only after Spark commits their batch.",
+        "",
+        "The driver's metadata client (topic-partitions and high watermarks) gets the same settings "
+        "except the share consumer's own (`max.poll.records`, `share.*`); the producer that "
+        "writes to `deadLetterTopic` gets the connection and security settings only.",
+        "",
+        f"`kafka.max.poll.records` ({CHECKED_KAFKA['max.poll.records'].accepts}) caps each poll. The source "
+        "sizes polls itself, to each consumer's share of the lock budget (`maxRecordLocks`); with neither, "
+        f"a poll takes up to {DEFAULT_MAX_POLL_RECORDS:,} records.",
+        "",
+        "Refused, because a share consumer does not take them or they are group configs set on the "
+        "broker:",
+        "",
+        "| option | why |",
+        "|---|---|",
+    ]
+    out += [f"| `kafka.{k}` | {_plain(why)} |" for k, why in REJECTED_KAFKA.items()]
+    out += [
+        "",
+        "The record lock duration (`share.record.lock.duration.ms`, default 30 s), the delivery-count "
+        "limit (`share.delivery.count.limit`, default 5) and where a new group starts "
+        "(`share.auto.offset.reset`, default `latest`!) are **group configs set on the broker**, e.g. "
+        "`kafka-configs.sh --alter --entity-type groups --entity-name orders --add-config "
+        "share.auto.offset.reset=earliest`. (`spark-share broker` starts groups at `earliest`.)",
+        "",
+        "Secrets (any `kafka.*` option whose name says password, secret, token, credential, key or jaas: "
+        "`kafka.sasl.password`, `kafka.ssl.key.password`, ...) never appear in offsets, logs, progress or "
+        "error messages, and never cross a socket of ours: the executor-side agent gets the client "
+        "configuration from the read task Spark ships to it.",
+        "",
+        "## Options of Spark's Kafka source",
+        "",
+        "They have no meaning for a share group; each is refused with what to do instead:",
+        "",
+        "| option | instead |",
+        "|---|---|",
+    ]
+    out += [f"| `{k}` | {_plain(why)} |" for k, why in NOT_FOR_SHARE_GROUPS.items()]
+    out += [
+        "",
+        "## Example",
+        "",
+        "With the embedded broker (`.venv/bin/spark-share broker --topic orders:4` prints "
+        "`bootstrap.servers=127.0.0.1:PORT`; export that address as `KAFKA_BOOTSTRAP_SERVERS`, and "
+        "produce some records with `.venv/bin/spark-share produce --bootstrap-servers "
+        "$KAFKA_BOOTSTRAP_SERVERS --topic orders --count 10000`), this drains the queue into a Parquet "
+        "table and stops:",
+        "",
+        "```python",
+        EXAMPLE.rstrip("\n"),
+        "```",
+        "",
+    ]
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(options_markdown(), end="")

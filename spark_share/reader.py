@@ -2,7 +2,7 @@
 
 Owns: the driver-side calls (latestOffset acknowledges
 the batch Spark has just committed, then decides whether a new one is worth running), the input
-partitions, and ``read()``, which asks this host's agent for a (batch, slot) and yields Arrow.
+partitions, and ``read()``, which hands the (batch, slot) to the executor side (``executor.read_task``).
 
 Must never: hold a Kafka consumer in ``read()`` (Python workers come and go), create sockets,
 threads or clients before a driver-only method runs (the reader is pickled to executors), or
@@ -22,17 +22,13 @@ from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows, SupportsTriggerAvailableNow
 
 from . import runtime
-from .connect import session_of_job_tags
+from .errors import SourceError
+from .executor import read_task
 from .offsets import INITIAL, batch_of, offset_of
 from .options import ShareSourceOptions, scrub
-from .transport.protocol import Read, call
 
 log = logging.getLogger("spark_share.reader")
 
-# Per Python worker: the connection to this host's agent of each query run, kept between tasks (a
-# worker runs one task at a time).
-_AGENTS: dict = {}
-READ_TIMEOUT_S = 600.0
 
 
 class SharePartition(InputPartition):
@@ -56,15 +52,6 @@ class SharePartition(InputPartition):
     __str__ = __repr__
 
 
-def _agent_of(tracker_id: str):
-    """This worker's open connection to the agent of a query run, if any. Connections to agents of
-    runs that ended (the agent exits with its tracker) are dropped here, so a worker that serves
-    query after query keeps none of them."""
-    for ended in [k for k, c in _AGENTS.items() if c.closed]:
-        del _AGENTS[ended]
-    return _AGENTS.get(tracker_id)
-
-
 def _start_agent_early(t) -> None:
     from .executor.launcher import ensure_agent
 
@@ -85,7 +72,7 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def _t(self):
         if self._tracker is None:
             if self._stopped:
-                raise RuntimeError("the kafka-share source is stopping")
+                raise SourceError("the kafka-share source is stopping")
             from .driver.tracker import Tracker, one_host
 
             runtime.log_to_stderr()
@@ -148,40 +135,8 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if self._tracker is not None:
             self._tracker.shutdown()  # a second caller waits for the first
 
-    # executor side ---------------------------------------------------------------------------
     def read(self, partition: SharePartition) -> Iterator:  # type: ignore[override]
-        from pyspark import TaskContext
-
-        from .executor import records
-
-        ctx = TaskContext.get()
-        query_id = ctx.getLocalProperty("sql.streaming.queryId") if ctx else None
-        # Spark's batch id can run ahead of ours (no-data batches, other sources): verdicts and commit
-        # signals name Spark's, so the tracker learns which of its batches it is.
-        spark_batch = ctx.getLocalProperty("streaming.sql.batchId") if ctx else None
-        # foreachBatch under Spark Connect runs its jobs without those properties; the tag of the
-        # Connect session that runs the batch names it instead (reject() there knows that session).
-        connect_session = None if query_id else session_of_job_tags(ctx.getLocalProperty("spark.job.tags") if ctx else None)
-        request = Read(partition.batch, partition.slot, partition.max_records, partition.poll_timeout_ms, query_id,
-                       int(spark_batch) if spark_batch is not None else None, connect_session)
-        timeout = READ_TIMEOUT_S + partition.poll_timeout_ms / 1000.0
-        conn = _agent_of(partition.tracker_id)
-        if conn is None:
-            conn = self._connect_agent(partition)
-        try:
-            _, blob = call(conn, request, timeout=timeout)
-        except ConnectionError:  # the agent of an earlier task went away; start or find the current one
-            conn.close()
-            _, blob = call(self._connect_agent(partition), request, timeout=timeout)
-        yield from records.from_ipc(blob)
-
-    def _connect_agent(self, partition: SharePartition):
-        """Find or start this host's agent; the connection is kept for this worker's next tasks."""
-        from .executor.launcher import ensure_agent
-
-        conn = _AGENTS[partition.tracker_id] = ensure_agent(
-            (partition.tracker_host, partition.tracker_port), partition.tracker_id, partition.secret, self.opts)
-        return conn
+        yield from read_task.read(partition, self.opts)  # executor side: this host's agent serves it
 
 
 class _StopOnSigterm:

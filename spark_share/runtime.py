@@ -18,6 +18,8 @@ import sys
 import time
 from logging.handlers import RotatingFileHandler
 
+from .errors import RuntimeDirError
+
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LOG_RETENTION_S = 7 * 86400
 LOG_MAX_BYTES = 10 << 20  # a tracker log rotates at this size...
@@ -32,7 +34,7 @@ def runtime_dir() -> str:
     os.makedirs(base, mode=0o700, exist_ok=True)
     st = os.stat(base)
     if st.st_uid != os.getuid():
-        raise PermissionError(f"{base} belongs to another user; set SPARK_SHARE_RUNTIME_DIR to a private directory")
+        raise RuntimeDirError(f"{base} belongs to another user; set SPARK_SHARE_RUNTIME_DIR to a private directory")
     if st.st_mode & 0o077:
         os.chmod(base, 0o700)
     return base

@@ -25,7 +25,7 @@ class KafkaShareDataSource(DataSource):
     options : dict
         ``kafka.bootstrap.servers``, ``kafka.group.id`` and ``subscribe`` are required; any other
         ``kafka.*`` option goes to the share consumer; the source's own options (``numPartitions``,
-        ``maxRecordsPerTrigger``, ``deadLetterTopic``, ...) are listed in the README. A bad option
+        ``maxRecordsPerTrigger``, ``deadLetterTopic``, ...) are listed in docs/options.md. A bad option
         raises :class:`spark_share.OptionError` naming it.
 
     Examples

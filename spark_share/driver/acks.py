@@ -53,7 +53,8 @@ class Acknowledger:
             rejects = [[t, p, o, r] for (t, p, o), (k, r) in b.verdicts.items() if k == REJECT]
         timeout_s = self.opts.ack_timeout_ms / 1000.0
         failure = None
-        per_agent = {a: verdicts for a in conns}
+        # A batch given back (not committed) carries no verdict: every record of it is RELEASEd, never REJECTed.
+        per_agent = {a: verdicts if default == ACCEPT else [] for a in conns}
         if default == ACCEPT and rejects and self.opts.dead_letter:
             why, written = self._write_dead_letters(b, conns, rejects)
             # An agent REJECTs only what it wrote as a dead letter itself; a REJECT it did not write

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import runtime
 from ..driver.batches import ACCEPT
+from ..errors import BatchRefused, PeerConnectionError
 from ..options import sized
 from ..transport import wire
 from ..transport.protocol import (
@@ -77,10 +78,6 @@ def _redelivered(rb) -> int:
 
 
 class Agent:
-    FROM_TRACKER = {Prefetch: "_on_prefetch", Ack: "_on_ack", AckResult: "_on_ack_result", DeadLetter: "_on_dead_letter",
-                    Fetch: "_on_fetch", Shutdown: "_on_shutdown", Ping: "_on_ping"}
-    FROM_TASKS = {Read: "_on_read", Ping: "_on_ping"}
-
     def __init__(self, tracker_addr, tracker_id: str, secret: str, consumer_config: dict[str, str],
                  producer_config: dict[str, str], secret_values: list[str]):
         from ..options import scrub
@@ -96,7 +93,7 @@ class Agent:
         self._inflight: dict[tuple[int, int], threading.Event] = {}
         self._session_seq = 0
         self.done = threading.Event()
-        self.tracker = _connect_tracker(tracker_addr, secret, handler=dispatcher(self, self.FROM_TRACKER, TRACKER_TO_AGENT),
+        self.tracker = _connect_tracker(tracker_addr, secret, handler=dispatcher(self, TRACKER_TO_AGENT),
                                     on_close=lambda _c: self._tracker_lost(), name="agent-tracker",
                                     scrub=self._scrub)
         hello, _ = call(self.tracker, Hello(self.agent_id, socket.gethostname(), os.getpid()), timeout=30)
@@ -116,7 +113,7 @@ class Agent:
             self._deadletters.connect()
         self.pool.start(int(hello.get("slots", 1)))
         self.server = wire.RpcServer(runtime.agent_socket_path(tracker_id), secret,
-                                     dispatcher(self, self.FROM_TASKS, TASK_TO_AGENT), name="agent",
+                                     dispatcher(self, TASK_TO_AGENT), name="agent",
                                      scrub=self._scrub)
 
     def _new_session(self, max_poll_records: int | None = None):
@@ -240,7 +237,7 @@ class Agent:
         with self._lock:
             hit = self._cache.get((m.batch, m.slot))
         if hit is None:
-            raise KeyError(f"batch {m.batch} slot {m.slot} is not cached here")
+            raise BatchRefused(f"batch {m.batch} slot {m.slot} is not cached here")
         return {"rows": hit.rows}, hit.ipc
 
     def _on_shutdown(self, conn, m: Shutdown) -> dict:
@@ -321,7 +318,7 @@ def _connect_tracker(tracker_addr, secret: str, **kwargs) -> wire.RpcConnection:
         return wire.connect((host, port), secret, **kwargs)
     except (OSError, ConnectionError) as e:
         shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        raise ConnectionError(
+        raise PeerConnectionError(
             f"executor {socket.gethostname()} cannot reach the spark-share tracker on the driver at {shown} "
             f"({type(e).__name__}: {e}). Executors must reach the driver on this address and port: set "
             "spark.driver.host (or SPARK_SHARE_BIND_HOST on the driver) to an address they can reach, and the "

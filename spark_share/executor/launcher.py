@@ -19,6 +19,7 @@ import sys
 import time
 
 from .. import runtime
+from ..errors import AgentError
 from ..transport import wire
 
 SPAWN_TIMEOUT_S = 60.0
@@ -67,7 +68,7 @@ def _connect_when_ready(path: str, secret: str, timeout: float) -> wire.RpcConne
             return wire.connect(path, secret, timeout=timeout, name="task")
         except (FileNotFoundError, ConnectionRefusedError):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the spark-share agent did not open {path} within {SPAWN_TIMEOUT_S:.0f} s") from None
+                raise AgentError(f"the spark-share agent did not open {path} within {SPAWN_TIMEOUT_S:.0f} s") from None
             time.sleep(0.05)  # bounded poll for a socket file; there is nothing to wait on
 
 
@@ -75,7 +76,7 @@ def _spawn_agent(tracker_addr, tracker_id: str, secret: str, opts, alive_fd: int
     log_path = runtime.agent_log_path(tracker_id)
     env = dict(os.environ)
     # The worker may import this package from a path Spark added (--py-files, a zip); so must the agent.
-    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # above spark_share/
     env["PYTHONPATH"] = os.pathsep.join([pkg_parent] + [p for p in sys.path if p and os.path.exists(p)])
     with open(log_path, "ab") as logf:
         os.chmod(log_path, 0o600)
@@ -97,11 +98,11 @@ def _spawn_agent(tracker_addr, tracker_id: str, secret: str, opts, alive_fd: int
     while not line.endswith(b"\n"):
         left = deadline - time.monotonic()
         if left <= 0 or not select.select([fd], [], [], left)[0]:
-            raise TimeoutError(f"the spark-share agent did not start within {SPAWN_TIMEOUT_S:.0f} s; see {log_path}")
+            raise AgentError(f"the spark-share agent did not start within {SPAWN_TIMEOUT_S:.0f} s; see {log_path}")
         chunk = os.read(fd, 4096)
         if not chunk:
             break
         line += chunk
     proc.stdout.close()
     if not line.startswith(b"READY"):
-        raise RuntimeError(f"the spark-share agent failed to start: {line.decode(errors='replace').strip() or 'no output'}; see {log_path}")
+        raise AgentError(f"the spark-share agent failed to start: {line.decode(errors='replace').strip() or 'no output'}; see {log_path}")

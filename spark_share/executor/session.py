@@ -17,27 +17,24 @@ or be touched from another thread (the client is not thread-safe).
 from __future__ import annotations
 
 import logging
-import operator
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from itertools import repeat
 from typing import Any
 
 from ..broker_errors import FailureWatch
-from ..driver.batches import ACCEPT, REJECT, RELEASE, AckOutcome
-from ..errors import SourceError
+from ..driver.batches import ACCEPT, RELEASE, AckOutcome
+from ..errors import AgentError, SourceError
 from . import records
+from .session_acks import acknowledge_held, error_code
+from .session_stats import STATS_INTERVAL_MS, FetchStats
 
 log = logging.getLogger("spark_share.executor.session")
 
 POLL_SLICE_S = 0.05  # how often an empty poll looks at the fetch state
-STATS_INTERVAL_MS = "100"  # how often librdkafka reports the group and fetch state an empty poll ends on
-ERR_INVALID_RECORD_STATE = 121  # the lock expired (or the record is no longer acquired by us)
 # A consumer not polled for max.poll.interval.ms (5 min by default: a long trigger, a session the
 # pool did not need) leaves the group; its next poll raises this once, and the poll after rejoins.
 ERR_MAX_POLL_EXCEEDED = -147
@@ -76,32 +73,6 @@ class Holding:
     timed_out: bool = False
 
 
-def _error_code(exc) -> tuple[int, str]:
-    """(code, "NAME(code)") of a KafkaException; the label is what counts and logs show."""
-    err = exc.args[0] if getattr(exc, "args", None) else None
-    if err is not None and hasattr(err, "code"):
-        return err.code(), f"{err.name()}({err.code()})"
-    return -1, type(exc).__name__
-
-
-def _parse_stats(text: str) -> tuple[float, tuple[bool, dict[str, int]] | None]:
-    """(when librdkafka took them, in time.monotonic() seconds; (has partitions, ShareFetch requests
-    sent per broker) once the consumer is a steady member, else None) of a statistics text."""
-    import json
-
-    try:
-        st = json.loads(text)
-        stamped = st["ts"] / 1e6
-        cgrp = st.get("cgrp") or {}
-        sent = {name: b["req"]["ShareFetch"] for name, b in st["brokers"].items()
-                if b.get("req", {}).get("ShareFetch")}
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return 0.0, None
-    if cgrp.get("join_state") != "steady":
-        return stamped, None
-    return stamped, (cgrp.get("assignment_size", 0) > 0, sent)
-
-
 class ShareSession:
     """A share consumer with its own thread. Methods return Futures."""
 
@@ -124,10 +95,8 @@ class ShareSession:
         self._queue: queue.Queue[tuple[Callable, Future] | None] = queue.Queue()
         self._closed = False
         self.max_poll_records = int(conf.get("max.poll.records", 500))
-        self._stats: tuple[float, str] = (0.0, "")  # (when, text) of librdkafka's latest statistics
-        self._parsed: tuple[float, tuple[float, tuple[bool, dict[str, int]] | None]] = (0.0, (0.0, None))
+        self._fetch_stats = FetchStats()
         self._idle_serve_s = idle_serve_s
-        self._steady = False  # librdkafka has reported this consumer a steady member (with its assignment)
         self._join_wait_s = join_wait_s
         self._held_elsewhere = held_elsewhere  # for how long another consumer of the agent has held records
         self._idle_served_at = time.monotonic()  # the last time the idle session served librdkafka's queue
@@ -137,7 +106,7 @@ class ShareSession:
         self._acks_lock = threading.Lock()
         client_conf: dict[str, Any] = dict(conf)
         client_conf.setdefault("statistics.interval.ms", STATS_INTERVAL_MS)
-        client_conf["stats_cb"] = self._on_stats
+        client_conf["stats_cb"] = self._fetch_stats.on_stats
         self._failures = FailureWatch(conf, scrub)
         client_conf["error_cb"] = self._failures
         self.consumer = ShareConsumer(client_conf)
@@ -160,29 +129,10 @@ class ShareSession:
         the session may take its next poll: the queue runs the acknowledgement first."""
         return self.holding is not None and not self._acks_queued
 
-    def _on_stats(self, text: str) -> None:
-        # Served inside poll() (or commit_sync/commit_async, see _serve_idle); parsed only when an
-        # empty poll looks at it.
-        self._stats = (time.monotonic(), text)
-
-    def _fetch_state(self, since: float) -> tuple[bool, dict[str, int]] | None:
-        """(joined with partitions, ShareFetch requests sent per broker) from statistics taken after
-        ``since`` (a time.monotonic(); librdkafka stamps them on the same clock, in microseconds:
-        they may be served well after they were taken); None when there are none yet."""
-        when, text = self._stats
-        if when <= since or not text:
-            return None
-        if self._parsed[0] != when:  # an empty poll looks every POLL_SLICE_S: parse each text once
-            self._parsed = (when, _parse_stats(text))
-        stamped, state = self._parsed[1]
-        if state is not None:
-            self._steady = True
-        return state if stamped > since else None
-
     def _submit(self, fn: Callable) -> Future:
         fut: Future = Future()
         if self._closed:
-            fut.set_exception(RuntimeError(f"session {self.session_id} is closed"))
+            fut.set_exception(AgentError(f"session {self.session_id} is closed"))
             return fut
         self._queue.put((fn, fut))
         return fut
@@ -248,7 +198,7 @@ class ShareSession:
     def _idle_wait(self) -> float:
         """How long the session may wait for a command before it serves librdkafka's queue: until
         IDLE_SERVE_S after it was last served (statistics came, or the idle session served it)."""
-        last = max(self._stats[0], self._idle_served_at)
+        last = max(self._fetch_stats.last_at, self._idle_served_at)
         return max(0.0, last + self._idle_serve_s - time.monotonic())
 
     def _serve_idle(self) -> None:
@@ -266,7 +216,7 @@ class ShareSession:
         deadline = time.monotonic() + timeout_s
         while True:
             self._serve_idle()  # statistics reach _on_stats only when the queue is served
-            if self._fetch_state(self.created_at) is not None:
+            if self._fetch_stats.state(self.created_at) is not None:
                 return True
             left = deadline - time.monotonic()
             if left <= 0:
@@ -274,29 +224,10 @@ class ShareSession:
             # Statistics come every STATS_INTERVAL_MS; librdkafka offers nothing to wait on for them.
             time.sleep(min(left, POLL_SLICE_S))
 
-    def _drained(self, started: float, base: dict[str, int]) -> bool:
-        """Has every broker this consumer fetches from answered a fetch sent after the poll began?
-        ``base`` holds the first counts seen after it began. A consumer in the group with no
-        partitions (more consumers than partitions on a broker that does not share them) has
-        nothing to wait for."""
-        state = self._fetch_state(started)
-        if state is None:
-            return False
-        assigned, sent = state
-        if not assigned:
-            return True
-        if not base:
-            base.update(sent)
-            return False
-        # Fetches go out one at a time per broker: a count two past the first one seen after the
-        # poll began means a fetch sent after it has been answered (with nothing, or poll() would
-        # have returned its records).
-        return bool(sent) and all(sent.get(b, 0) >= n + 2 for b, n in base.items())
-
     def _poll(self, batch: int, slot: int, max_records: int | None, timeout_ms: int,
               carry_ms: float | None = None) -> tuple[Any, Holding]:
         if self.holding is not None:
-            raise RuntimeError(f"session {self.session_id} still holds batch {self.holding.batch} "
+            raise AgentError(f"session {self.session_id} still holds batch {self.holding.batch} "
                                f"slot {self.holding.slot}; it must be acknowledged first")
         if self._carried and carry_ms is not None and (time.time() - self._carried_at) * 1000 > carry_ms:
             self._release_carried()
@@ -352,98 +283,28 @@ class ShareSession:
         rejoining = False
         while True:
             left = max(0.0, deadline - time.monotonic())
-            wait = min(left, POLL_SLICE_S) if left or self._steady else POLL_SLICE_S  # not joined: wait on
+            wait = min(left, POLL_SLICE_S) if left or self._fetch_stats.steady else POLL_SLICE_S  # not joined: wait on
             try:
                 msgs = list(self.consumer.poll(wait))
             except Exception as e:
-                if _error_code(e)[0] != ERR_MAX_POLL_EXCEEDED or rejoining:
+                if error_code(e)[0] != ERR_MAX_POLL_EXCEEDED or rejoining:
                     raise
                 log.info("session %s: left the group after max.poll.interval.ms without a poll; rejoining",
                          self.session_id)
                 rejoining = True
                 continue
             now = time.monotonic()
-            if msgs or (now >= deadline and (self._steady or now >= joined_by
+            if msgs or (now >= deadline and (self._fetch_stats.steady or now >= joined_by
                                              or self._held_elsewhere(self) > JOIN_GRACE_S)):
                 return msgs, False
             if self._failures.failure:  # the broker refused this consumer: say so, not "no records"
                 raise SourceError(self._failures.failure)
-            if self._drained(started, base):
+            if self._fetch_stats.drained(started, base):
                 return msgs, True
 
-    def _acknowledge(self, verdicts, default, timeout_s) -> AckOutcome:
-        out = AckOutcome()
-        h = self.holding
-        if h is None:
-            return out
-        per_tp: dict[tuple[str, int], dict[int, int]] = {}
-        c = self.consumer
-        ack = c.acknowledge_offset
-        for topic, parts in h.acquired.items():
-            for part, runs in parts.items():
-                counts = per_tp.setdefault((topic, part), {})
-                for lo, hi in runs:
-                    offsets = iter(range(lo, hi + 1))
-                    if not verdicts:
-                        # Every record gets the default: one C-level pass over the run. A call that
-                        # raises stops it; the loop below goes on after that offset.
-                        try:
-                            deque(map(ack, repeat(topic), repeat(part), offsets, repeat(default)), maxlen=0)
-                            counts[default] = counts.get(default, 0) + hi - lo + 1
-                            continue
-                        except Exception as e:
-                            failed_at = hi - operator.length_hint(offsets)
-                            counts[default] = counts.get(default, 0) + failed_at - lo
-                            self._ack_failed(out, e)
-                    for off in offsets:
-                        kind = verdicts.get((topic, part, off), default) if verdicts else default
-                        try:
-                            ack(topic, part, off, kind)
-                        except Exception as e:  # no longer in flight for us: counted, comes back from the broker
-                            self._ack_failed(out, e)
-                            continue
-                        counts[kind] = counts.get(kind, 0) + 1
-        self.holding = None
-        try:
-            result = c.commit_sync(timeout_s)
-        except Exception as e:
-            code, name = _error_code(e)
-            n = sum(sum(v.values()) for v in per_tp.values())
-            out.failed += n
-            out.errors[name] = out.errors.get(name, 0) + n
-            log.warning("session %s: commit_sync failed (%s); %d records will come back from the broker",
-                        self.session_id, self._scrub(str(e)), n)
-            return out
-        failed_tps = {}
-        for topic_partition, err in (result or {}).items():
-            if err is not None:
-                failed_tps[(topic_partition.topic, topic_partition.partition)] = _error_code(err)
-        for tp, counts in per_tp.items():
-            n = sum(counts.values())
-            if tp in failed_tps:
-                code, name = failed_tps[tp]
-                if code == ERR_INVALID_RECORD_STATE:
-                    out.expired += n
-                else:
-                    out.failed += n
-                out.errors[name] = out.errors.get(name, 0) + n
-            else:
-                out.accepted += counts.get(ACCEPT, 0)
-                out.released += counts.get(RELEASE, 0)
-                out.rejected += counts.get(REJECT, 0)
-        if failed_tps:
-            log.warning("session %s: acknowledgement of batch %d failed for %s",
-                        self.session_id, h.batch,
-                        ", ".join(f"{t}-{p}: {name}" for (t, p), (code, name) in failed_tps.items()))
-        return out
-
-    @staticmethod
-    def _ack_failed(out: AckOutcome, e: Exception) -> None:
-        """One record could not be acknowledged (no longer in flight for us): counted; it comes back
-        from the broker."""
-        _, name = _error_code(e)
-        out.failed += 1
-        out.errors[name] = out.errors.get(name, 0) + 1
+    def _acknowledge(self, verdicts, default: int, timeout_s: float) -> AckOutcome:
+        h, self.holding = self.holding, None
+        return acknowledge_held(self.consumer, h, verdicts, default, timeout_s, self._scrub, self.session_id)
 
     def _close(self) -> None:
         self.holding = None

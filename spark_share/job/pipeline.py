@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..connect import is_connect
-from ..errors import ConfigError
+from ..errors import ConfigError, JobError
 from .config import JobConfig, resolve_secrets
 
 VERDICT = "_spark_share_verdict"
@@ -171,7 +171,7 @@ def run(spark, cfg: JobConfig, quiet: bool = False) -> Summary:
             rows.unpersist()
         # Before the batch commits: nothing is lost.
         if counts[WRITE] + sum(rejected.values()) + released != total:
-            raise RuntimeError(f"batch {batch_id}: {total} rows but {counts[WRITE]} written, "
+            raise JobError(f"batch {batch_id}: {total} rows but {counts[WRITE]} written, "
                                f"{sum(rejected.values())} rejected, {released} released")
         summary.records += total
         summary.written += counts[WRITE]

@@ -20,7 +20,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
-from ..errors import ConfigError
+from ..errors import ConfigError, JobError
 from .config import JobConfig, parse_config
 
 
@@ -80,7 +80,7 @@ def synthetic_orders(bootstrap: str, topic: str, n: int, partitions: int, seed: 
         produce_waiting(p, topic, key=str(i).encode(), value=value, partition=i % partitions)
     left = p.flush(60)
     if left:
-        raise RuntimeError(f"{left} synthetic orders were not delivered to {topic}")
+        raise JobError(f"{left} synthetic orders were not delivered to {topic}")
     return dict(kinds)
 
 

@@ -11,10 +11,13 @@ that starts it), or decode anything but JSON headers (``wire`` authenticates eve
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+from ..errors import ProtocolError
 
 
 @dataclass
@@ -176,18 +179,24 @@ TRACKER_TO_AGENT: tuple[type[Message], ...] = (Prefetch, Ack, AckResult, DeadLet
 TASK_TO_AGENT: tuple[type[Message], ...] = (Read, Ping)
 
 
-def dispatcher(receiver: Any, table: dict[type[Message], str], receives: tuple[type[Message], ...]):
-    """A ``wire`` handler that parses each request into its message and calls the method of
-    ``receiver`` that ``table`` names for it. ``table`` must cover exactly ``receives``."""
-    if set(table) != set(receives):
-        raise TypeError(f"{type(receiver).__name__} handles {sorted(m.op for m in table)}, "
-                        f"but receives {sorted(m.op for m in receives)}")
-    by_op: dict[str, tuple[type[Message], Callable]] = {m.op: (m, getattr(receiver, name)) for m, name in table.items()}
+def handler_name(message: type[Message]) -> str:
+    """The one naming rule for handlers, tracker and agent alike: ``Acquired`` -> ``_on_acquired``,
+    ``AckResult`` -> ``_on_ack_result``."""
+    return "_on_" + re.sub(r"(?<!^)(?=[A-Z])", "_", message.__name__).lower()
+
+
+def dispatcher(receiver: Any, receives: tuple[type[Message], ...]):
+    """A ``wire`` handler that parses each request into its message and calls the receiver's
+    ``_on_<message>`` method for it. The receiver must have one for every message it ``receives``."""
+    missing = [handler_name(m) for m in receives if not callable(getattr(receiver, handler_name(m), None))]
+    if missing:
+        raise ProtocolError(f"{type(receiver).__name__} receives {sorted(m.op for m in receives)} but has no {missing}")
+    by_op: dict[str, tuple[type[Message], Callable]] = {m.op: (m, getattr(receiver, handler_name(m))) for m in receives}
 
     def handle(conn, header: dict, blob: bytes) -> tuple[dict, bytes]:
         op = header.get("op")
         if op not in by_op:
-            raise ValueError(f"unknown request {op!r}")
+            raise ProtocolError(f"unknown request {op!r}")
         cls, fn = by_op[op]
         out = fn(conn, cls.parse(header))
         return out if isinstance(out, tuple) else (out, b"")

@@ -12,7 +12,6 @@ import logging
 
 from .. import connect
 from ..errors import VerdictError
-from ..transport import wire
 from ..transport.protocol import Verdicts, call
 from .client import tracker_for, trackers_on_this_host
 
@@ -91,8 +90,8 @@ def _send_connect(spark, kind: str, coords: list, reason: str | None) -> int:
 def _call(conn, kind: str, msg: Verdicts) -> dict:
     try:
         rep, _ = call(conn, msg, timeout=60)
-    except wire.RemoteError as e:
-        raise VerdictError(f"spark_share.{kind}(): {str(e).split(': ', 1)[-1]}") from None
+    except VerdictError as e:  # the tracker refused them; the error crossed the socket by class
+        raise VerdictError(f"spark_share.{kind}(): {e}") from None
     return rep
 
 

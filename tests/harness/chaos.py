@@ -160,30 +160,66 @@ class Produced:
 
 
 class DeadLetters:
-    """Reads the dead-letter topic as it fills: (id, when written) of every rejected record."""
+    """Reads the dead-letter topic as it fills: (id, when written) of every rejected record, once per
+    record of the topic (keyed by partition and offset: a reader that rejoins its group after a broker
+    restart reads from the start again, and a record read twice is not a second dead letter)."""
 
     def __init__(self, bootstrap: str, group: str):
         from confluent_kafka import Consumer
 
+        self.bootstrap = bootstrap
         self.consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "auto.offset.reset": "earliest",
                                   "enable.auto.commit": False, "log_level": 2})
         self.consumer.subscribe([DLQ])
-        self.records: list[tuple[int, float]] = []
+        self._records: dict[tuple[int, int], tuple[int, float]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dead-letters", daemon=True)
         self._thread.start()
 
+    def _keep(self, m) -> None:
+        with self._lock:
+            self._records[(m.partition(), m.offset())] = (int(m.key()), m.timestamp()[1] / 1000)
+
     def _run(self):
         while not self._stop.is_set():
             for m in self.consumer.consume(500, 0.5):
                 if m.error() is None:
-                    with self._lock:
-                        self.records.append((int(m.key()), m.timestamp()[1] / 1000))
+                    self._keep(m)
+
+    @property
+    def records(self) -> list[tuple[int, float]]:
+        with self._lock:
+            return list(self._records.values())
 
     def ids(self) -> list[int]:
-        with self._lock:
-            return [i for i, _ in self.records]
+        return [i for i, _ in self.records]
+
+    def read_to_end(self, timeout_s: float = 60.0) -> None:
+        """Read every partition of the topic from its first offset to its high watermark, without a
+        group: what the topic holds, whatever the live reader's group went through."""
+        from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+        c = Consumer({"bootstrap.servers": self.bootstrap, "group.id": "chaos-dlq-final", "enable.auto.commit": False,
+                      "log_level": 2})
+        try:
+            meta = c.list_topics(DLQ, timeout=10)
+            parts = sorted(meta.topics[DLQ].partitions)
+            ends = {p: c.get_watermark_offsets(TopicPartition(DLQ, p), timeout=10)[1] for p in parts}
+            c.assign([TopicPartition(DLQ, p, OFFSET_BEGINNING) for p in parts])
+            pos = {p: -1 for p in parts}
+            deadline = time.time() + timeout_s
+            while any(pos[p] + 1 < ends[p] for p in parts) and time.time() < deadline:
+                for m in c.consume(500, 0.5):
+                    if m.error() is None:
+                        self._keep(m)
+                        pos[m.partition()] = max(pos[m.partition()], m.offset())
+            short = {p: (pos[p] + 1, ends[p]) for p in parts if pos[p] + 1 < ends[p]}
+            if short:
+                print(f"chaos: the dead-letter topic was not read to its end within {timeout_s:.0f} s: {short}",
+                      flush=True)
+        finally:
+            c.close()
 
     def close(self):
         self._stop.set()
@@ -500,9 +536,10 @@ def main(argv=None) -> int:
             operator.stop()
             query_log.close()
         report["query_exit"] = query.returncode
-        dead_ids = list(dead.ids())
-        dead_records = list(dead.records)
         dead.close()
+        dead.read_to_end()
+        dead_ids = dead.ids()
+        dead_records = dead.records
         left_in_group = group_left(kafka.bootstrap_servers, group)
         produced.producer.flush(10)
 

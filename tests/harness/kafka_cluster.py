@@ -208,7 +208,7 @@ class ExternalCluster:
         asked = ", ".join(f"{k}={v}" for k, v in configs.items())
         for f in self._admin.incremental_alter_configs([resource], request_timeout=ADMIN_TIMEOUT_S).values():
             self._result(f, f"setting share group {group}'s {asked} (the broker bounds these values with its "
-                            "group.share.min/max.* configs: see the README, Tests)")
+                            "group.share.min/max.* configs: see docs/testing.md, The test broker)")
 
     def _result(self, future, what: str):
         try:

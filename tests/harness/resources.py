@@ -238,7 +238,7 @@ def query_runs(events_path: str) -> int:
 
 
 # What Spark and py4j keep per query run in the driver and its JVM, measured in the 60-minute soak
-# (see the README): py4j, in pinned-thread mode (pyspark's default), keeps the callback connection
+# (see docs/guarantees.md, Soak and chaos): py4j, in pinned-thread mode (pyspark's default), keeps the callback connection
 # of every JVM thread that called into Python, and a Python thread serving it, after the JVM thread
 # ended: each run's stream thread calls foreachBatch. The JVM keeps two sockets per run, the epoll
 # and event descriptors of a selector (two anon_inode fds), and an idle worker monitor thread: the

@@ -93,7 +93,7 @@ def _counts_match_writes(res: dict, rows: list[dict]) -> dict[int, int]:
 def test_drain_on_three_hosts(cluster, kafka, tmp_path):
     """AvailableNow drains and ends; nothing lost or doubled; the two actions of every batch (no
     persist) saw the same rows wherever they ran (a re-read on another host relays the records
-    between hosts, encrypted: networkEncryption=true); at most one share consumer per task slot
+    between hosts, over TLS); at most one share consumer per task slot
     that reads."""
     w = Workload(kafka, "orders", partitions=4)
     # In 30 sends: a share fetch hands out whole record batches, so one batch per partition could never
@@ -102,7 +102,7 @@ def test_drain_on_three_hosts(cluster, kafka, tmp_path):
     group = kafka.group(gid())
     shared = os.path.join(cluster.shared, "drain")
     app = _run_app(cluster, kafka, "drain", w.topic, group, shared, "--partitions", "8",
-                   "--max-per-trigger", "1000", "--option", "networkEncryption=true")
+                   "--max-per-trigger", "1000")
     res = _result(app, shared, 600)
     assert res["error"] is None, res["error"]
     rows = _written(shared)

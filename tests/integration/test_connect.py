@@ -442,7 +442,7 @@ def test_verdicts_find_their_batch_by_connect_session(kafka):
         rep = t._verdicts(conn, Verdicts(None, "reject", [[topic, 0, 7]], "bad", connect_session=mine))
         assert rep["match"] and rep["records"] == 1
         assert t.batches[1].verdicts == {(topic, 0, 7): (REJECT, "bad")} and not t.batches[0].verdicts
-        with pytest.raises(ValueError, match="not from batch"):  # batch 0's offset, in batch 1's session
+        with pytest.raises(VerdictError, match="not from batch"):  # batch 0's offset, in batch 1's session
             t._verdicts(conn, Verdicts(None, "release", [[topic, 0, 2]], connect_session=mine))
     finally:
         t.agents.clear()

@@ -348,7 +348,7 @@ def test_shipped_emr_step_runs_the_job_file_with_a_config_that_parses(tmp_path):
     args = step["HadoopJarStep"]["Args"]
     assert args[:2] == ["bash", "-c"] and "PASSWORD" not in json.dumps(step)
     s3 = tmp_path / "s3"
-    for rel in ("jobs/queue_to_table.py", "conf/emr.json", "conf/emr-step.sh"):  # what the README says to upload
+    for rel in ("jobs/queue_to_table.py", "conf/emr.json", "conf/emr-step.sh"):  # what docs/deploy.md says to upload
         (s3 / "spark-share" / os.path.dirname(rel)).mkdir(parents=True, exist_ok=True)
         (s3 / "spark-share" / rel).write_bytes(open(os.path.join(ROOT, rel), "rb").read())
     bin_ = tmp_path / "bin"

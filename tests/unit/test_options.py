@@ -110,18 +110,63 @@ def test_redact_and_scrub():
     assert scrub("login failed for hunter22 at b", ["hunter22"]) == "login failed for *** at b"
 
 
-@pytest.mark.parametrize("given, protocol, encrypted", [
-    (None, None, False), (None, "SASL_SSL", True), (None, "ssl", True), (None, "SASL_PLAINTEXT", False),
-    ("true", None, True), ("false", "SSL", False), ("AUTO", "SSL", True)])
-def test_network_encryption_follows_kafkas_tls_unless_told(given, protocol, encrypted):
-    opts = dict(BASE)
-    if given is not None:
-        opts["networkEncryption"] = given
-    if protocol is not None:
-        opts["kafka.security.protocol"] = protocol
-    assert parse_options(opts).encrypt_network is encrypted
+def test_each_option_is_declared_once_and_sets_its_own_field():
+    from dataclasses import fields
+
+    from spark_share.options import OPTIONS, ShareSourceOptions
+
+    names = [o.name.lower() for o in OPTIONS]
+    assert len(names) == len(set(names))
+    assert sorted(o.field for o in OPTIONS) == sorted(f.name for f in fields(ShareSourceOptions) if f.name != "kafka")
+    for o in OPTIONS:  # a default is parsed like a given value, so it is within the option's own bounds
+        assert o.required == (o.example is not None) and not (o.required and o.default is not None), o.name
+        if o.default is not None:
+            assert getattr(parse_options(BASE), o.field) == o.parser.parse(o.name, o.default), o.name
 
 
-def test_network_encryption_takes_true_false_or_auto():
-    with pytest.raises(OptionError, match="networkEncryption"):
-        parse_options(dict(BASE, networkEncryption="yes"))
+def test_an_option_not_given_takes_its_declared_default_or_none():
+    o = parse_options(BASE)
+    assert (o.poll_timeout_ms, o.ack_timeout_ms, o.idle_probe_ms, o.tracker_ports) == (1000, 30000, 10000, (0, 0))
+    assert o.dead_letter_topic is None and o.dead_letter_path is None and o.max_delivery_count is None
+    assert o.kafka == {}
+
+
+@pytest.mark.parametrize("key,good,bad", [("pollTimeoutMs", "600000", "600001"), ("ackTimeoutMs", "100", "99"),
+                                          ("idleProbeIntervalMs", "86400000", "86400001"),
+                                          ("numPartitions", "10000", "10001"), ("maxDeliveryCount", "1000", "1001")])
+def test_bounds_are_inclusive_and_named_in_the_error(key, good, bad):
+    dead_letter = {"deadLetterPath": "/tmp/dl"} if key == "maxDeliveryCount" else {}
+    parse_options(dict(BASE, **dead_letter, **{key: good}))
+    with pytest.raises(OptionError, match=f"option '{key}' must be between .* got {bad}"):
+        parse_options(dict(BASE, **dead_letter, **{key: bad}))
+
+
+def test_a_required_option_says_what_it_is_and_gives_an_example():
+    with pytest.raises(OptionError, match=r"option 'kafka.group.id' is required: the share group, "
+                                          r"e.g. .option\('kafka.group.id', 'orders'\)"):
+        parse_options(opts(kafka__group__id=None))
+    with pytest.raises(OptionError, match="option 'kafka.bootstrap.servers' is required"):
+        parse_options(opts(kafka__bootstrap__servers="  "))
+
+
+def test_options_that_only_make_sense_together():
+    with pytest.raises(OptionError, match="'deadLetterTopic' and 'deadLetterPath' conflict"):
+        parse_options(dict(BASE, deadLetterTopic="dlq", deadLetterPath="/tmp/dl"))
+    with pytest.raises(OptionError, match="option 'deadLetterTopic' = 'orders' is also subscribed"):
+        parse_options(dict(BASE, deadLetterTopic="orders"))
+    with pytest.raises(OptionError, match="option 'maxDeliveryCount' needs a dead-letter target"):
+        parse_options(dict(BASE, maxDeliveryCount="3"))
+    o = parse_options(dict(BASE, deadLetterTopic=" dlq ", maxDeliveryCount="3"))
+    assert (o.dead_letter_topic, o.max_delivery_count, o.dead_letter) == ("dlq", 3, True)
+
+
+def test_a_path_is_refused():
+    with pytest.raises(OptionError, match="takes no path"):
+        parse_options(dict(BASE, path="/data"))
+
+
+def test_network_encryption_is_no_option_any_more():
+    # The channel between our processes is always TLS: nothing to choose.
+    with pytest.raises(OptionError, match="unknown option 'networkEncryption'"):
+        parse_options(dict(BASE, networkEncryption="true"))
+    assert not hasattr(parse_options(BASE), "encrypt_network")

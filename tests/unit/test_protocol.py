@@ -4,19 +4,29 @@ import dataclasses
 import pytest
 
 from spark_share.driver.tracker import Tracker
+from spark_share.errors import ProtocolError
 from spark_share.executor.agent import Agent
 from spark_share.transport import protocol
 
 
-@pytest.mark.parametrize("receiver, table, receives", [
-    (Tracker, Tracker.HANDLERS, protocol.TO_TRACKER),
-    (Agent, Agent.FROM_TRACKER, protocol.TRACKER_TO_AGENT),
-    (Agent, Agent.FROM_TASKS, protocol.TASK_TO_AGENT),
+@pytest.mark.parametrize("receiver, receives", [
+    (Tracker, protocol.TO_TRACKER),
+    (Agent, protocol.TRACKER_TO_AGENT),
+    (Agent, protocol.TASK_TO_AGENT),
 ], ids=["tracker", "agent-from-tracker", "agent-from-tasks"])
-def test_each_side_handles_every_message_it_can_receive(receiver, table, receives):
-    assert set(table) == set(receives)
-    for message, method in table.items():
+def test_each_side_handles_every_message_it_can_receive(receiver, receives):
+    for message in receives:
+        method = protocol.handler_name(message)
         assert callable(getattr(receiver, method, None)), f"{receiver.__name__}.{method} handles {message.op}"
+
+
+def test_one_naming_rule_for_handlers():
+    assert protocol.handler_name(protocol.Acquired) == "_on_acquired"
+    assert protocol.handler_name(protocol.AckResult) == "_on_ack_result"
+    assert protocol.handler_name(protocol.DeadLetter) == "_on_dead_letter"
+    # A receiver with no handler of ours for a message it is routed fails at once, not at the first request.
+    handlers = {n: getattr(Tracker, n) for n in dir(Tracker) if n.startswith("_on_")}
+    assert {protocol.handler_name(m) for m in protocol.TO_TRACKER} == set(handlers)
 
 
 def test_every_message_is_received_somewhere_and_ops_are_unique():
@@ -35,24 +45,23 @@ def test_a_message_is_its_header_and_back():
 
 
 class Receiver:
-    def on_claim(self, conn, m):
+    def _on_claim(self, conn, m):
         return {"owner": f"{m.batch}/{m.slot}"}
 
-    def on_fetch(self, conn, m):
+    def _on_fetch(self, conn, m):
         return {"rows": 1}, b"ipc"
 
 
 def test_dispatch_calls_the_one_handler_and_refuses_unknown_or_incomplete():
-    handle = protocol.dispatcher(Receiver(), {protocol.Claim: "on_claim", protocol.Fetch: "on_fetch"},
-                                 (protocol.Claim, protocol.Fetch))
+    handle = protocol.dispatcher(Receiver(), (protocol.Claim, protocol.Fetch))
     assert handle(None, protocol.Claim(2, 1).header(), b"") == ({"owner": "2/1"}, b"")
     assert handle(None, protocol.Fetch(2, 1).header(), b"") == ({"rows": 1}, b"ipc")
     with pytest.raises(ValueError, match="unknown request 'status'"):
         handle(None, {"op": "status"}, b"")
     with pytest.raises(TypeError):  # a required field missing
         handle(None, {"op": "claim", "batch": 1}, b"")
-    with pytest.raises(TypeError, match="receives"):
-        protocol.dispatcher(Receiver(), {protocol.Claim: "on_claim"}, (protocol.Claim, protocol.Fetch))
+    with pytest.raises(ProtocolError, match="_on_status"):
+        protocol.dispatcher(Receiver(), (protocol.Claim, protocol.Status))
 
 
 def test_messages_are_plain_json_data():

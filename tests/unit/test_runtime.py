@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from spark_share import reader, runtime
+from spark_share import runtime
+from spark_share.executor import read_task
 
 
 @pytest.fixture
@@ -86,6 +87,6 @@ def test_the_tracker_log_rotates_by_size(rdir, monkeypatch):
 
 def test_a_worker_forgets_agent_connections_of_ended_runs(monkeypatch):
     ended, live = SimpleNamespace(closed=True), SimpleNamespace(closed=False)
-    monkeypatch.setattr(reader, "_AGENTS", {"run-1": ended, "run-2": live})
-    assert reader._agent_of("run-1") is None and reader._agent_of("run-2") is live
-    assert reader._AGENTS == {"run-2": live}
+    monkeypatch.setattr(read_task, "_AGENTS", {"run-1": ended, "run-2": live})
+    assert read_task._agent_of("run-1") is None and read_task._agent_of("run-2") is live
+    assert read_task._AGENTS == {"run-2": live}

@@ -1,17 +1,26 @@
+import hashlib
 import json
+import logging
 import os
+import pickle
 import socket
+import ssl
+import struct
 import threading
 
 import pytest
 
 from harness.support import wait_until
+from spark_share.errors import PeerConnectionError
 from spark_share.transport import wire
+
+SECRET = wire.new_secret()
+OTHER_QUERY = wire.new_secret()
 
 
 @pytest.fixture
-def server(request):
-    """A server echoing requests; ``indirect`` parametrization turns its encryption on."""
+def server():
+    """A TCP server echoing requests (the blob reversed)."""
     seen = []
 
     def handler(conn, req, blob):
@@ -20,15 +29,14 @@ def server(request):
             raise ValueError("boom happened")
         return {"echo": req.get("x"), "n": len(blob)}, blob[::-1]
 
-    srv = wire.RpcServer(("127.0.0.1", 0), "s3cret-value", handler, name="test",
-                         encrypt=getattr(request, "param", False))
+    srv = wire.RpcServer(("127.0.0.1", 0), SECRET, handler, name="test")
     yield srv, seen
     srv.close()
 
 
 def test_round_trip_with_blob(server):
     srv, _ = server
-    c = wire.connect(srv.address, "s3cret-value")
+    c = wire.connect(srv.address, SECRET)
     rep, blob = c.call({"op": "x", "x": 5}, b"abc", timeout=5)
     assert rep == {"echo": 5, "n": 3} and blob == b"cba"
     with pytest.raises(wire.RemoteError, match="boom happened"):
@@ -36,10 +44,10 @@ def test_round_trip_with_blob(server):
     c.close()
 
 
-@pytest.mark.parametrize("encrypt", [False, True], ids=["tagged", "encrypted"])
-def test_arrow_record_blobs_cross_without_a_copy_to_bytes(encrypt):
+@pytest.mark.parametrize("where", ["tcp", "unix"])
+def test_arrow_record_blobs_cross_without_a_copy_to_bytes(where, tmp_path):
     """The agent hands read tasks its cached Arrow IPC buffer as it is (no copy to bytes); it must
-    cross plain and encrypted connections alike, and arrive as the same rows."""
+    cross TCP and Unix sockets alike, and arrive as the same rows."""
     import pyarrow as pa
 
     from spark_share.executor import records
@@ -47,10 +55,10 @@ def test_arrow_record_blobs_cross_without_a_copy_to_bytes(encrypt):
     rows = pa.RecordBatch.from_pylist([{"key": b"k%d" % i, "n": i} for i in range(5000)])
     ipc = records.to_ipc(rows)
     assert isinstance(ipc, pa.Buffer)
-    srv = wire.RpcServer(("127.0.0.1", 0), "s3cret-value", lambda conn, req, blob: ({}, ipc), name="arrow",
-                         encrypt=encrypt)
+    address = ("127.0.0.1", 0) if where == "tcp" else str(tmp_path / "a.sock")
+    srv = wire.RpcServer(address, SECRET, lambda conn, req, blob: ({}, ipc), name="arrow")
     try:
-        c = wire.connect(srv.address, "s3cret-value")
+        c = wire.connect(srv.address, SECRET)
         _, blob = c.call({"op": "read"}, timeout=5)
         assert records.from_ipc(blob)[0].equals(rows)
         c.close()
@@ -58,35 +66,181 @@ def test_arrow_record_blobs_cross_without_a_copy_to_bytes(encrypt):
         srv.close()
 
 
-def test_wrong_or_missing_secret_is_refused_and_counted(server, caplog):
+def test_a_big_blob_arrives_intact_both_ways(server):
+    srv, _ = server
+    blob = os.urandom(24 << 20)  # many TLS records, many socket reads and writes
+    c = wire.connect(srv.address, SECRET)
+    rep, back = c.call({"op": "x"}, blob, timeout=60)
+    assert rep["n"] == len(blob) and hashlib.sha256(back).digest() == hashlib.sha256(blob[::-1]).digest()
+    c.close()
+
+
+def test_calls_both_ways_from_many_threads_arrive_intact(tmp_path):
+    """One reader thread and many writers on each end of one TLS connection, both ends calling."""
+    def client_handler(conn, req, blob):
+        return {"back": req["i"]}, bytes(blob)[::-1]
+
+    def server_handler(conn, req, blob):
+        rep, back = conn.call({"op": "back", "i": req["i"]}, blob, timeout=30)  # the server calls the client
+        return {"i": rep["back"]}, back
+
+    srv = wire.RpcServer(str(tmp_path / "c.sock"), SECRET, server_handler, name="both")
+    c = wire.connect(srv.address, SECRET, handler=client_handler)
+    failures = []
+
+    def caller(t):
+        for i in range(t * 100, t * 100 + 20):
+            blob = os.urandom((i * 7919) % (300 << 10))
+            rep, back = c.call({"op": "x", "i": i}, blob, timeout=30)
+            if rep != {"i": i} or bytes(back) != blob[::-1]:
+                failures.append(i)
+
+    threads = [threading.Thread(target=caller, args=(t,)) for t in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    try:
+        assert not any(t.is_alive() for t in threads) and failures == [] and not c.closed
+    finally:
+        c.close()
+        srv.close()
+
+
+def _refused_by_peer(sock) -> bool:
+    """Whether the peer ends the connection (after anything it sends first)."""
+    sock.settimeout(10)
+    try:
+        while sock.recv(4096):
+            pass
+        return True
+    except (ConnectionResetError, ssl.SSLError):  # reset, or a TLS alert
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_a_client_without_the_query_credential_is_refused_and_counted(server, caplog):
+    """Another query's credential, a TLS client with no certificate, a plain client speaking our
+    frames without TLS, and garbage: each refused at connect, none reaches the handler."""
     caplog.set_level("WARNING", logger="spark_share.transport.wire")
     srv, seen = server
     with pytest.raises(wire.AuthError):
-        wire.connect(srv.address, "wrong")
-    raw = socket.create_connection(srv.address)  # no handshake at all: garbage, then close
-    raw.sendall(b"GET / HTTP/1.0\r\n\r\n" + b"x" * 100)
-    raw.settimeout(5)
-    try:
-        while raw.recv(100):
-            pass
-    except OSError:
-        pass
-    raw.close()
-    from harness.support import wait_until
-    wait_until(lambda: srv.refused >= 2, timeout=10, message="refusals not counted")
-    assert seen == []
+        wire.connect(srv.address, OTHER_QUERY)
+    header = json.dumps({"op": "x", "_id": 1, "_kind": "req"}).encode()
+    frame = struct.pack("!IQ", len(header), 0) + header
+    anonymous = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    anonymous.check_hostname, anonymous.verify_mode = False, ssl.CERT_NONE
+    tls = anonymous.wrap_socket(socket.create_connection(srv.address))
+    tls.sendall(frame)
+    assert _refused_by_peer(tls)
+    tls.close()
+    for first_bytes in (frame, b"GET / HTTP/1.0\r\n\r\n" + b"x" * 100):
+        raw = socket.create_connection(srv.address)
+        raw.sendall(first_bytes)
+        assert _refused_by_peer(raw)
+        raw.close()
+    wait_until(lambda: srv.refused >= 4, timeout=10, message="refusals not counted")
+    assert seen == [] and srv.connections == []
     refusals = [r for r in caplog.records if "refused a connection" in r.getMessage()]
-    assert len(refusals) == 2 and all(r.levelname == "WARNING" for r in refusals), caplog.text
-    assert "s3cret-value" not in caplog.text
+    assert len(refusals) == 4 and all(r.levelname == "WARNING" for r in refusals), caplog.text
+
+
+def test_a_server_without_the_query_credential_is_refused_by_the_client():
+    """A server of another query cannot impersonate ours, nor learn what our client would send."""
+    got = []
+    srv = wire.RpcServer(("127.0.0.1", 0), OTHER_QUERY, lambda c, r, b: got.append(r) or ({}, b""), name="fake")
+    try:
+        with pytest.raises(wire.AuthError):
+            wire.connect(srv.address, SECRET)
+        wait_until(lambda: srv.refused == 1, timeout=10, message="the server did not see the refusal")
+        assert got == []
+    finally:
+        srv.close()
+
+
+def test_a_plain_server_is_refused_by_the_client():
+    """A listener that answers in clear (our frames, no TLS) is refused before we send anything."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    received = bytearray()
+
+    def plain_server():
+        conn, _ = listener.accept()
+        header = json.dumps({"_id": 1, "_kind": "rep"}).encode()
+        conn.sendall(struct.pack("!IQ", len(header), 0) + header)
+        conn.settimeout(10)
+        try:
+            while data := conn.recv(4096):
+                received.extend(data)
+        except OSError:
+            pass
+        conn.close()
+
+    t = threading.Thread(target=plain_server, daemon=True)
+    t.start()
+    try:
+        with pytest.raises(wire.AuthError):
+            wire.connect(listener.getsockname()[:2], SECRET, timeout=10)
+        t.join(10)
+        assert received[:1] == b"\x16"  # all it got is our TLS hello (a handshake record), no frame
+    finally:
+        listener.close()
+
+
+def test_the_credential_never_reaches_logs_errors_or_disk(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("SPARK_SHARE_RUNTIME_DIR", str(tmp_path / "run"))
+    caplog.set_level(logging.DEBUG)
+    secret, other = wire.new_secret(), wire.new_secret()  # fresh: their keys are written and loaded here
+    key_pem = wire._certificate(secret)[0].decode()
+    key_body = "".join(key_pem.splitlines()[1:-1])
+    errors = []
+    srv = wire.RpcServer(("127.0.0.1", 0), secret, lambda c, r, b: ({}, b""), name="quiet")
+    rogue = wire.RpcServer(("127.0.0.1", 0), other, lambda c, r, b: ({}, b""), name="rogue")
+    try:
+        for address, credential in ((srv.address, other), (rogue.address, secret)):
+            with pytest.raises(wire.AuthError) as e:
+                wire.connect(address, credential)
+            errors.append(f"{e.value!r} {e.value}")
+        wait_until(lambda: srv.refused == 1 and rogue.refused == 1, timeout=10, message="refusals not counted")
+    finally:
+        srv.close()
+        rogue.close()
+    text = caplog.text + " ".join(errors)
+    assert "refused a connection" in caplog.text
+    for s in (secret, other, key_body):
+        assert s not in text
+    assert os.listdir(tmp_path / "run") == [], "a key file outlived loading it"
+
+
+def test_nothing_received_is_unpickled(server, monkeypatch):
+    """A pickle in a blob or a header is data: it arrives as the bytes or the text that was sent."""
+    ran = []
+
+    class Payload:
+        def __reduce__(self):
+            return (ran.append, ("unpickled",))
+
+    def forbidden(*a, **k):
+        raise AssertionError("unpickled")
+
+    srv, seen = server
+    payload = pickle.dumps(Payload())
+    for name in ("loads", "load", "Unpickler"):
+        monkeypatch.setattr(pickle, name, forbidden)
+    c = wire.connect(srv.address, SECRET)
+    rep, back = c.call({"op": "x", "x": payload.hex()}, payload, timeout=5)
+    assert bytes(back) == payload[::-1] and rep["echo"] == payload.hex() and ran == []
+    c.close()
 
 
 def test_handler_errors_reach_the_peer_scrubbed():
     def handler(conn, req, blob):
         raise ValueError("client config rejected: sasl.password=hunter2-secret")
 
-    srv = wire.RpcServer(("127.0.0.1", 0), "k", handler, name="scrub", scrub=lambda s: s.replace("hunter2-secret", "***"))
+    srv = wire.RpcServer(("127.0.0.1", 0), SECRET, handler, name="scrub",
+                         scrub=lambda s: s.replace("hunter2-secret", "***"))
     try:
-        c = wire.connect(srv.address, "k")
+        c = wire.connect(srv.address, SECRET)
         with pytest.raises(wire.RemoteError) as e:
             c.call({"op": "x"}, timeout=5)
         assert "sasl.password=***" in str(e.value) and "hunter2" not in str(e.value)
@@ -95,22 +249,12 @@ def test_handler_errors_reach_the_peer_scrubbed():
         srv.close()
 
 
-def test_server_proves_itself_to_the_client():
-    # A server with another secret cannot impersonate ours: the client refuses it.
-    srv = wire.RpcServer(("127.0.0.1", 0), "other", lambda c, r, b: ({}, b""), name="fake")
-    try:
-        with pytest.raises(wire.AuthError):
-            wire.connect(srv.address, "s3cret-value")
-    finally:
-        srv.close()
-
-
 def test_unix_socket_is_owner_only(tmp_path):
     path = str(tmp_path / "a.sock")
-    srv = wire.RpcServer(path, "k", lambda c, r, b: ({"ok": 1}, b""), name="uds")
+    srv = wire.RpcServer(path, SECRET, lambda c, r, b: ({"ok": 1}, b""), name="uds")
     try:
         assert oct(os.stat(path).st_mode & 0o777) == oct(0o600)
-        c = wire.connect(path, "k")
+        c = wire.connect(path, SECRET)
         assert c.call({"op": "x"}, timeout=5)[0] == {"ok": 1}
         c.close()
     finally:
@@ -118,21 +262,33 @@ def test_unix_socket_is_owner_only(tmp_path):
     assert not os.path.exists(path)
 
 
+def test_an_oversized_frame_ends_the_connection(server):
+    """The bounds hold inside an authenticated connection too: a frame announcing more than
+    MAX_HEADER is not allocated, and the connection ends."""
+    srv, seen = server
+    sock = socket.create_connection(srv.address)
+    stream = wire._admit(sock, SECRET, server_side=False)
+    stream.sendall(wire._FRAME.pack(wire.MAX_HEADER + 1, 0))
+    assert _refused_by_peer(sock)
+    stream.close()
+    assert seen == []
+
+
 def test_pending_calls_fail_when_peer_goes_away(server):
     srv, _ = server
-    c = wire.connect(srv.address, "s3cret-value")
+    c = wire.connect(srv.address, SECRET)
     fut = c.call_async({"op": "x"})
     fut.result(5)
     srv.close()
     assert c.wait_closed(5)
-    with pytest.raises(ConnectionError):
+    with pytest.raises(PeerConnectionError):
         c.call({"op": "x"}, timeout=5)
 
 
 def test_a_peer_admitted_while_the_server_closes_is_closed_and_close_returns():
-    srv = wire.RpcServer(("127.0.0.1", 0), "k", lambda c, r, b: ({}, b""), name="closing")
+    srv = wire.RpcServer(("127.0.0.1", 0), SECRET, lambda c, r, b: ({}, b""), name="closing")
     srv._stopped.set()  # close() has begun; the accept loop is still waiting for one more peer
-    c = wire.connect(srv.address, "k")
+    c = wire.connect(srv.address, SECRET)
     assert c.wait_closed(5), "a peer admitted during close stayed connected"
     closer = threading.Thread(target=srv.close)
     closer.start()
@@ -140,164 +296,120 @@ def test_a_peer_admitted_while_the_server_closes_is_closed_and_close_returns():
     assert not closer.is_alive(), "RpcServer.close() hung"
 
 
-class _Recorder:
-    """A socket stand-in that keeps the bytes sent through it (to replay them)."""
-
-    def __init__(self, sock):
-        self.sock, self.sent = sock, []
-
-    def sendall(self, data):
-        self.sent.append(bytes(data))
-        self.sock.sendall(data)
-
-
-def _authenticated_socket(srv, secret="s3cret-value"):
-    sock = socket.create_connection(srv.address)
-    return sock, wire.client_handshake(sock, secret)
-
-
-def _closed_by_peer(sock) -> bool:
-    """Whether the peer ends the connection (after any replies to earlier, genuine frames)."""
-    sock.settimeout(10)
-    try:
-        while sock.recv(4096):
-            pass
-        return True
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
-
-
-@pytest.mark.parametrize("server", [False, True], indirect=True, ids=["tagged", "encrypted"])
-def test_a_forged_frame_after_a_valid_handshake_is_refused(server, caplog):
-    """An attacker on the path writes into an authenticated stream: a well-formed frame, without
-    the connection's key. The server closes the connection before the frame reaches a handler."""
-    caplog.set_level("WARNING", logger="spark_share.transport.wire")
-    srv, seen = server
-    sock, (send_key, _) = _authenticated_socket(srv)
-    assert send_key.encrypts is srv._encrypt
-    wire.send_frame(sock, {"op": "x", "x": 1, "_id": 1, "_kind": "req"}, b"", send_key, threading.Lock())
-    header = json.dumps({"op": "x", "x": 2, "_id": 2, "_kind": "req"}).encode()
-    sock.sendall(wire._FRAME.pack(len(header), 0) + header + os.urandom(32))
-    assert _closed_by_peer(sock)
-    sock.close()
-    wait_until(lambda: srv.forged == 1, timeout=10, message="the forged frame was not counted")
-    assert [r.get("x") for r in seen] == [1], "the forged frame reached the handler"
-    assert "failed authentication" in caplog.text and "s3cret-value" not in caplog.text
-
-
-def test_a_replayed_or_altered_frame_is_refused(server):
-    srv, seen = server
-    sock, (send_key, _) = _authenticated_socket(srv)
-    rec = _Recorder(sock)
-    wire.send_frame(rec, {"op": "x", "x": 1, "_id": 1, "_kind": "req"}, b"blob", send_key, threading.Lock())
-    sock.sendall(b"".join(rec.sent))  # the same bytes again: the sequence number no longer matches
-    assert _closed_by_peer(sock)
-    sock.close()
-    sock, (send_key, _) = _authenticated_socket(srv)
-    rec = _Recorder(type("Nowhere", (), {"sendall": lambda self, data: None})())
-    wire.send_frame(rec, {"op": "x", "x": 3, "_id": 1, "_kind": "req"}, b"blob", send_key, threading.Lock())
-    sock.sendall(b"".join(rec.sent).replace(b'"x":3', b'"x":4'))  # one byte changed on the way
-    assert _closed_by_peer(sock)
-    sock.close()
-    wait_until(lambda: srv.forged == 2, timeout=10, message="refusals not counted")
-    assert [r.get("x") for r in seen] == [1]
-
-
-def test_frames_of_another_connection_do_not_verify(server):
-    """Keys differ per connection (both handshake nonces): a frame recorded on one connection is
-    refused on another, even as its first frame."""
-    srv, seen = server
-    first, (key, _) = _authenticated_socket(srv)
-    rec = _Recorder(first)
-    wire.send_frame(rec, {"op": "x", "x": 1, "_id": 1, "_kind": "req"}, b"", key, threading.Lock())
-    second, _ = _authenticated_socket(srv)
-    second.sendall(b"".join(rec.sent))
-    assert _closed_by_peer(second)
-    first.close()
-    second.close()
-    wait_until(lambda: srv.forged == 1, timeout=10, message="the foreign frame was not refused")
-
-
 class _Tap:
-    """A TCP relay between a client and a server that keeps what crosses it, and may rewrite the
-    server's first bytes (its hello) on the way: a peer on the path between two hosts."""
+    """A TCP relay between one client and a server, TLS record by TLS record: a peer on the path
+    between two hosts. Once the test arms it (after the handshake), it may alter the next record
+    the client sends, send the client's last record again, or cut the connection after some bytes
+    of the server's."""
 
-    def __init__(self, target, rewrite_hello=None):
-        self._target, self._rewrite = target, rewrite_hello
+    def __init__(self, target):
+        self._target = target
+        self.alter = None  # record -> bytes forwarded in its place (client to server, once)
+        self.cut_after = None  # bytes of the server's forwarded before cutting the connection
+        self.last_record = b""
         self.seen = bytearray()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.address = self._listener.getsockname()[:2]
-        self._threads = [threading.Thread(target=self._accept, daemon=True)]
-        self._threads[0].start()
+        self._server = None
+        threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self):
         client, _ = self._listener.accept()
-        server = socket.create_connection(self._target)
-        for src, dst, first in ((client, server, None), (server, client, self._rewrite)):
-            t = threading.Thread(target=self._pump, args=(src, dst, first), daemon=True)
-            t.start()
-            self._threads.append(t)
+        self._server = socket.create_connection(self._target)
+        threading.Thread(target=self._client_to_server, args=(client, self._server), daemon=True).start()
+        threading.Thread(target=self._server_to_client, args=(self._server, client), daemon=True).start()
 
-    def _pump(self, src, dst, rewrite):
+    def _client_to_server(self, src, dst):
+        pending = b""
         try:
             while data := src.recv(65536):
-                if rewrite is not None:
-                    data, rewrite = rewrite(data), None
-                self.seen.extend(data)
-                dst.sendall(data)
+                pending += data
+                while len(pending) >= 5 and len(pending) >= 5 + struct.unpack("!H", pending[3:5])[0]:
+                    size = 5 + struct.unpack("!H", pending[3:5])[0]
+                    record, pending = pending[:size], pending[size:]
+                    self.last_record = record
+                    if self.alter is not None:
+                        record, self.alter = self.alter(record), None
+                    self.seen.extend(record)
+                    dst.sendall(record)
         except OSError:
             pass
         finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            self._cut(src, dst)
+
+    def _server_to_client(self, src, dst):
+        try:
+            while data := src.recv(65536):
+                if self.cut_after is not None:
+                    data = data[: self.cut_after]
+                    self.cut_after -= len(data)
+                self.seen.extend(data)
+                dst.sendall(data)
+                if self.cut_after == 0:
+                    break
+        except OSError:
+            pass
+        finally:
+            self._cut(src, dst)
+
+    def replay(self):
+        self._server.sendall(self.last_record)
+
+    @staticmethod
+    def _cut(*socks):
+        for s in socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def close(self):
         self._listener.close()
 
 
-@pytest.mark.parametrize("encrypt", [True, False])
-def test_an_encrypting_server_hides_headers_and_records_on_the_wire(encrypt):
-    """With encryption on, neither a frame's header nor its blob (relayed records) crosses the
-    network in the clear, and they arrive intact; with it off (the control) both are visible."""
-    record = b"card=4111-1111-1111-1111;" * 40
-    got = []
-
-    def handler(conn, req, blob):
-        got.append((req.get("note"), blob))
-        return {"note": "reply-in-clear?"}, blob
-
-    srv = wire.RpcServer(("127.0.0.1", 0), "s3cret-value", handler, name="enc", encrypt=encrypt)
+@pytest.fixture
+def tapped(server):
+    """The echo server, a tap on the path, and a client connected through it (handshake done)."""
+    srv, seen = server
     tap = _Tap(srv.address)
-    try:
-        c = wire.connect(tap.address, "s3cret-value")
-        rep, blob = c.call({"op": "x", "note": "header-in-clear?"}, record, timeout=5)
-        assert rep["note"] == "reply-in-clear?" and blob == record
-        assert got == [("header-in-clear?", record)]
-        c.close()
-        wire_bytes = bytes(tap.seen)
-        for plain in (b"card=4111", b"header-in-clear?", b"reply-in-clear?"):
-            assert (plain in wire_bytes) is (not encrypt), plain
-    finally:
-        tap.close()
-        srv.close()
+    c = wire.connect(tap.address, SECRET)
+    assert c.call({"op": "x", "x": 1}, timeout=5)[0]["echo"] == 1  # a genuine call first
+    yield srv, seen, tap, c
+    c.close()
+    tap.close()
 
 
-def test_a_peer_on_the_path_cannot_turn_encryption_off():
-    """The server's hello says its frames are encrypted; a relay that flips that flag makes the
-    client's proof fail, and the connection is refused rather than run in the clear."""
-    srv = wire.RpcServer(("127.0.0.1", 0), "s3cret-value", lambda c, r, b: ({}, b""), name="enc", encrypt=True)
-    flag_at = len(wire._MAGIC)
-    tap = _Tap(srv.address, rewrite_hello=lambda d: d[:flag_at] + wire._PLAIN + d[flag_at + 1:])
-    try:
-        with pytest.raises((wire.AuthError, ConnectionError)):
-            wire.connect(tap.address, "s3cret-value").call({"op": "x"}, b"records", timeout=5)
-        wait_until(lambda: srv.refused == 1, timeout=10, message="the downgraded handshake was not refused")
-    finally:
-        tap.close()
-        srv.close()
+def test_a_record_altered_on_the_path_ends_the_connection(tapped, caplog):
+    caplog.set_level("WARNING", logger="spark_share.transport.wire")
+    srv, seen, tap, c = tapped
+    tap.alter = lambda record: record[:-20] + bytes([record[-20] ^ 1]) + record[-19:]  # one bit
+    with pytest.raises(PeerConnectionError):
+        c.call({"op": "x", "x": 2}, b"records", timeout=10)
+    wait_until(lambda: srv.forged == 1, timeout=10, message="the altered record was not refused")
+    assert [r.get("x") for r in seen] == [1], "the altered request reached the handler"
+    assert "a TLS record failed" in caplog.text and SECRET not in caplog.text
 
+
+def test_a_record_replayed_on_the_path_ends_the_connection(tapped):
+    srv, seen, tap, c = tapped
+    tap.replay()  # the genuine request's record again: its sequence number is spent
+    wait_until(lambda: srv.forged == 1, timeout=10, message="the replayed record was not refused")
+    assert c.wait_closed(10)
+    assert [r.get("x") for r in seen] == [1], "the replayed request reached the handler"
+
+
+def test_a_connection_cut_in_a_frame_fails_the_reader(tapped):
+    srv, seen, tap, c = tapped
+    tap.cut_after = 1 << 20  # of an 8 MB reply
+    with pytest.raises(PeerConnectionError):
+        c.call({"op": "x", "x": 2}, os.urandom(8 << 20), timeout=30)
+    assert c.wait_closed(10) and not c.forged
+
+
+def test_headers_and_records_do_not_cross_the_network_in_clear(tapped):
+    srv, seen, tap, c = tapped
+    record = b"card=4111-1111-1111-1111;" * 40
+    rep, back = c.call({"op": "x", "x": "header-in-clear?"}, record, timeout=5)
+    assert rep["echo"] == "header-in-clear?" and bytes(back) == record[::-1]
+    for plain in (b"card=4111", b"1111-1114=drac", b"header-in-clear?"):
+        assert plain not in bytes(tap.seen), plain

@@ -1,0 +1,125 @@
+"""The agents of one query run, as the tracker sees them: who joined, from which host, what each is told.
+
+Owns: the agents' connections by id (``conns``), the answer to an agent's hello (how many sessions it
+starts and what they read), starting a planned batch's polls on this host's agent (``prefetch``),
+relaying a re-read to the agent that holds a slot, an agent leaving, the per-host view of status(),
+and asking every agent to stop.
+
+Must never: send a Kafka client credential to an agent (credentials reach agents with the read task,
+never over the tracker's socket), or prefetch on a cluster (Spark does not say where a batch's tasks run).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from ..errors import BatchRefused, ProtocolError
+from ..options import ShareSourceOptions
+from ..transport import wire
+from ..transport.protocol import Fetch, Hello, Prefetch, Shutdown, call, call_async
+from .batches import PLANNED, BatchState
+from .policy import BatchPolicy
+
+log = logging.getLogger("spark_share.driver.tracker")
+
+
+def one_host() -> bool:
+    """Local mode (or a master ``register()`` did not pass): every read task runs on this host."""
+    master = os.environ.get("SPARK_SHARE_MASTER", "")
+    return not master or master.startswith("local")
+
+
+def agent_of(conn: wire.RpcConnection) -> str:
+    if "agent_id" in conn.info:
+        return conn.info["agent_id"]
+    raise ProtocolError("request from a connection that did not say hello")
+
+
+class AgentRoster:
+    def __init__(self, opts: ShareSourceOptions, policy: BatchPolicy, lock: threading.RLock):
+        self.opts = opts
+        self.policy = policy
+        self.lock = lock  # the ledger's: claims look at who is alive
+        self.conns: dict[str, wire.RpcConnection] = {}
+        self.relays = 0  # re-reads served from another host's agent, through this process
+        self.relayed_bytes = 0
+
+    def joined(self, conn: wire.RpcConnection, m: Hello, latest: BatchState | None) -> dict:
+        """Note an agent and tell it how to start; a batch planned before it joined starts polling now."""
+        with self.lock:
+            self.conns[m.agent_id] = conn
+        conn.info["agent_id"] = m.agent_id
+        conn.info["host"] = m.host
+        log.info("agent %s joined (pid %s on %s)", m.agent_id, m.pid, m.host)
+        if latest is not None and latest.state == PLANNED and latest.slots and not latest.claims:
+            self.prefetch(latest)  # it polls once its sessions have joined
+        limit = self.policy.current_limit(latest)
+        # The sessions an agent joins with. One host reads every slot. On a cluster each host's pool
+        # grows with the slots its tasks read in a batch (a session serves one slot per batch), so
+        # the group has about numPartitions members, never executors x numPartitions.
+        slots = self.policy.slots_for(limit) if one_host() else 1
+        o = self.opts
+        return {"max_poll_records": self.policy.poll_size(latest), "topics": list(o.topics),
+                "include_headers": o.include_headers, "slots": slots, "dead_letter": o.dead_letter,
+                "dead_letter_topic": o.dead_letter_topic, "dead_letter_path": o.dead_letter_path,
+                "max_delivery_count": o.max_delivery_count}
+
+    def left(self, conn: wire.RpcConnection, stopping: bool) -> None:
+        agent_id = conn.info.get("agent_id")
+        if not agent_id:
+            return
+        with self.lock:
+            if self.conns.get(agent_id) is conn:
+                del self.conns[agent_id]
+            self.policy.forget_agent(agent_id)  # what it carried goes back to the group with its sessions
+        if not stopping:
+            log.warning("agent %s disconnected; records it held go back to the share group", agent_id)
+
+    def prefetch(self, b: BatchState) -> None:
+        """On one host, ask its agent to start every poll of ``b`` now, while Spark writes its offsets
+        and schedules the read tasks. On a cluster, nothing: a Python source has no preferred
+        locations, and records polled on a host where no task of the batch lands would be held until
+        a later batch reads there. A batch planned before the agent joined is sent when it joins."""
+        if not one_host():
+            return
+        with self.lock:
+            conns = list(self.conns.values())
+        if len(conns) == 1:  # one agent per query run on a host
+            call_async(conns[0], Prefetch(b.batch, b.slots, self.policy.slot_budgets(b)[0], self.opts.poll_timeout_ms,
+                                          self.policy.carry_ms))
+
+    def relay(self, m: Fetch, owner: str | None) -> tuple[dict, bytes]:
+        """A re-read of a slot another host's agent holds, passed through here and let go once sent on."""
+        with self.lock:
+            agent = self.conns.get(owner) if owner else None
+        if agent is None:
+            raise BatchRefused(f"batch {m.batch} slot {m.slot} is held by no live agent")
+        rep, blob = call(agent, Fetch(m.batch, m.slot), timeout=120)
+        with self.lock:
+            self.relays += 1
+            self.relayed_bytes += len(blob)
+        return rep, blob
+
+    def hosts(self, claims: list[str]) -> dict[str, dict]:
+        """Per host: its agents, their group members (as of each one's last acquisition), and the slots
+        of the last batch read (``claims``: the agent of each slot) that its agents hold."""
+        hosts: dict[str, dict] = {}
+        with self.lock:
+            for agent_id, conn in self.conns.items():
+                h = hosts.setdefault(conn.info.get("host") or "?", {"agents": 0, "members": 0, "slots": 0})
+                h["agents"] += 1
+                h["members"] += conn.info.get("members", 0)
+                h["slots"] += claims.count(agent_id)
+        return hosts
+
+    def stop_all(self, wait_s: float) -> None:
+        """Ask every agent to stop (closing its consumers releases what it still holds); wait, bounded."""
+        with self.lock:
+            conns = list(self.conns.values())
+        for c in conns:
+            call_async(c, Shutdown())
+        deadline = time.monotonic() + wait_s
+        for c in conns:
+            c.wait_closed(max(0.0, deadline - time.monotonic()))

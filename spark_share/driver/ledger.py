@@ -1,0 +1,254 @@
+"""The batches of one query run, as the driver knows them: the ledger the tracker keeps.
+
+Owns: every ``BatchState`` of the run (made by ``plan``, or as a void replay by ``batch_to_read``),
+which agent claimed and acquired each (batch, slot), the verdicts on its records, which Spark batch
+ran it, how far Spark has committed (``committed_upto``), the stop flag, the waits for a batch's
+acknowledgements, and the run's totals. Its lock (``lock``) also guards the tracker's agents.
+
+Must never: talk to a socket or to Kafka, or start an acknowledgement: it marks which batches are
+due (``due``, ``due_at_stop``); the tracker sends them, and only once Spark has committed.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Container
+
+from ..errors import BatchRefused, VerdictError
+from ..transport.protocol import Acquired, Claim, Verdicts
+from .batches import (
+    ACCEPT,
+    ACKED,
+    ACKING,
+    FINISHED,
+    IN_FLIGHT,
+    PLANNED,
+    QUEUED,
+    REJECT,
+    RELEASE,
+    RELEASED,
+    VOID,
+    AckOutcome,
+    BatchState,
+)
+from .policy import BatchPolicy
+
+log = logging.getLogger("spark_share.driver.tracker")
+
+KEEP_FINISHED = 20  # acknowledged batches kept for status(); older ones are dropped (a stream runs for days)
+
+
+class BatchLedger:
+    def __init__(self, policy: BatchPolicy, max_delivery_count: int | None):
+        self.policy = policy
+        self.max_delivery_count = max_delivery_count
+        self.lock = threading.RLock()
+        self._acked = threading.Condition(self.lock)  # a batch's acknowledgement moved on
+        self.batches: dict[int, BatchState] = {}
+        # Spark has committed every batch up to here (it said so through latestOffset, commit or the
+        # listener): the one fact that lets a batch be ACCEPTed, recorded before anything acts on it.
+        self.committed_upto = -1
+        self.stopping = False  # set once by the stop: nothing new is planned, claimed or acknowledged
+        self.totals = AckOutcome()
+        self.total_acquired = 0
+
+    def latest(self) -> BatchState | None:
+        with self.lock:
+            return self.batches[max(self.batches)] if self.batches else None
+
+    # planning -----------------------------------------------------------------------------
+    def plan(self, batch: int, max_records: int | None, version: int) -> tuple[BatchState | None, bool]:
+        """``batch`` and whether this call made it; (None, False) once the query is stopping."""
+        with self.lock:
+            if self.stopping:
+                return None, False
+            old = self.batches.get(batch)
+            b = old or BatchState(batch, self.policy.slots_of_new_batch(max_records), max_records)
+            self.batches[batch] = b
+            self.policy.planned(version, time.monotonic())
+        return b, old is None
+
+    def batch_to_read(self, batch: int) -> BatchState | None:
+        """The batch Spark wants read tasks for, or None when it must read nothing: a batch this run did
+        not plan (after a restart Spark replays the last batch of the earlier run, whose records were
+        released: new records under its id would be ACCEPTed although an idempotent sink skips the
+        replayed id), or any batch once the query is stopping."""
+        with self.lock:
+            b = self.batches.get(batch)
+            if b is None:
+                b = self.batches[batch] = BatchState(batch, 0, None, state=VOID)
+                log.warning("spark-share batch %d was planned by an earlier run of this query: Spark replays it, "
+                            "and it reads nothing (the records that run held were released; they come back in "
+                            "later batches)", batch)
+            if self.stopping or b.state != PLANNED:
+                return None
+            return b
+
+    # what the agents report ---------------------------------------------------------------
+    def claim(self, m: Claim, agent_id: str, live_agents: Container[str]) -> str | None:
+        """Which agent reads (batch, slot): the one that acquired it (every re-read gets the same rows),
+        else the asking one, which polls. None: the slot's records were acquired by an agent that is
+        gone; its rows may already be in a sink, so the slot reads nothing rather than new records
+        under the same batch id (the lost ones are released by the broker and come back)."""
+        with self.lock:
+            b = self.batches.get(m.batch)
+            if self.stopping or b is None or b.state != PLANNED:
+                raise BatchRefused(self._refusal(m.batch, b))
+            if m.spark_batch is not None:
+                b.spark_batch = int(m.spark_batch)
+            if m.connect_session:
+                b.connect_sessions.add(m.connect_session)
+            owner = b.claims.get(m.slot)
+            if owner is not None and owner not in live_agents:
+                if m.slot in b.acquired:
+                    log.warning("batch %d slot %d: agent %s that acquired it is gone; this read gets no rows (its "
+                                "records are released by the broker and come back in a later batch)",
+                                m.batch, m.slot, owner)
+                    return None
+                owner = None  # claimed but never acquired: no row of it reached Spark
+            if owner is None:
+                b.claims[m.slot] = owner = agent_id
+            return owner
+
+    def _refusal(self, batch: int, b: BatchState | None) -> str:
+        """Why a read of ``batch`` may acquire nothing. Call with ``lock`` held."""
+        if self.stopping:
+            return f"kafka-share batch {batch} cannot be read: the query is stopping"
+        if b is not None and b.state == VOID:
+            return (f"kafka-share batch {batch} was planned by an earlier run of this query; it reads nothing "
+                    "(the records that run held were released and come back in later batches)")
+        if b is None and (not self.batches or batch > max(self.batches)):
+            return f"kafka-share batch {batch} was never planned by this run of the query; it cannot be read"
+        return (f"kafka-share batch {batch} is already committed and its records acknowledged, so it cannot be "
+                "read again: an action on a batch DataFrame after its foreachBatch call returned (or a task "
+                "attempt that outlived its stage) has no records to read. Keep what you need inside "
+                "foreachBatch (persist() or collect the rows there)")
+
+    def acquired(self, m: Acquired, agent_id: str) -> None:
+        """What an agent's poll for (batch, slot) acquired; records at the delivery limit are rejected."""
+        with self.lock:
+            b = self.batches[m.batch]
+            b.acquired[m.slot] = {"agent": agent_id, "session": m.session, "rows": m.rows,
+                                  "acquired_at": m.acquired_at, "offsets": m.offsets, "timed_out": m.timed_out}
+            self.policy.acquired(m.offsets, m.redelivered, (agent_id, m.session), m.carried)
+            limit = self.max_delivery_count
+            for t, p, o, count in m.poison:
+                b.verdicts[(t, int(p), int(o))] = (REJECT, f"deliveryCount {count} reached maxDeliveryCount {limit}")
+            if m.poison:
+                log.warning("batch %d: %d records reached maxDeliveryCount %s; they are rejected to the dead-letter "
+                            "target instead of being processed again", m.batch, len(m.poison), limit)
+            self.total_acquired += m.rows
+
+    def record_verdicts(self, m: Verdicts) -> dict:
+        """Record reject/release verdicts for a running batch; all or nothing."""
+        kind = {"reject": REJECT, "release": RELEASE}[m.kind]
+        with self.lock:
+            if m.connect_session:  # Spark Connect: the latest batch read in that session, if it is ours
+                b = max((b for b in self.batches.values()
+                         if m.connect_session in b.connect_sessions and b.state == PLANNED),
+                        key=lambda b: b.batch, default=None)
+                if b is None:
+                    return {"match": False}
+            else:
+                b = next((b for b in self.batches.values() if b.spark_batch == m.spark_batch), None)
+                if b is None or b.state != PLANNED:
+                    raise VerdictError(f"batch {m.spark_batch} has no kafka-share records being processed in this "
+                                         f"query (state: {b.state if b else 'nothing read'}); verdicts apply to rows "
+                                         "of the batch being processed in foreachBatch")
+            batch = b.spark_batch if b.spark_batch is not None else b.batch
+            keys = [(t, int(p), int(o)) for t, p, o in m.records]
+            foreign = [k for k in keys if not b.holders(*k)]
+            if foreign:
+                raise VerdictError(f"{len(foreign)} of {len(keys)} rows are not from batch {batch} of this query, "
+                                     "e.g. " + ", ".join(f"{t}-{p}@{o}" for t, p, o in foreign[:5]))
+            both = [k for k in keys if k in b.verdicts and b.verdicts[k][0] != kind]
+            if both:
+                raise VerdictError(f"{len(both)} rows were already given the opposite verdict (a row cannot be both "
+                                     "rejected and released), e.g. "
+                                     + ", ".join(f"{t}-{p}@{o}" for t, p, o in both[:5]))
+            for k in keys:
+                b.verdicts[k] = (kind, m.reason)
+        return {"ok": True, "match": True, "records": len(keys)}
+
+    def source_batch_of(self, spark_batch: int) -> int | None:
+        """Our batch that Spark ran as ``spark_batch`` or, if that one read nothing of ours, the
+        last one before it."""
+        with self.lock:
+            mapped = [n for n, b in self.batches.items() if b.spark_batch is not None and b.spark_batch <= spark_batch]
+        return max(mapped) if mapped else None
+
+    # acknowledgements ---------------------------------------------------------------------
+    def due(self, upto: int) -> list[BatchState]:
+        """Spark has committed every batch <= ``upto``: the ones not yet being acknowledged, now marked so."""
+        with self.lock:
+            self.committed_upto = max(self.committed_upto, upto)
+            if self.stopping:  # the stop acknowledges what is left, knowing it was committed
+                return []
+            todo = [b for n, b in sorted(self.batches.items()) if n <= upto and b.state == PLANNED]
+            for b in todo:
+                b.state = ACKING
+                b.committed_at = time.time()
+        return todo
+
+    def due_at_stop(self) -> list[BatchState] | None:
+        """Set ``stopping``; the batches still held, now marked as being acknowledged; None if a stop
+        had already begun."""
+        with self.lock:
+            if self.stopping:
+                return None
+            self.stopping = True
+            pending = [b for _, b in sorted(self.batches.items()) if b.state == PLANNED]
+            for b in pending:
+                b.state = ACKING
+        return pending
+
+    def committed(self, b: BatchState, commit_log) -> bool:
+        """Did Spark commit ``b`` (it said so, or its commit log shows it)?"""
+        return b.batch <= self.committed_upto or bool(commit_log and commit_log.has(b.spark_batch))
+
+    def notify(self) -> None:
+        with self.lock:
+            self._acked.notify_all()
+
+    def wait_acked(self, upto: int, pending=(ACKING, QUEUED), timeout: float = 35.0) -> None:
+        """Until no batch <= ``upto`` is in a ``pending`` state, for ``timeout`` at most."""
+        with self._acked:
+            self._acked.wait_for(lambda: all(b.state not in pending for n, b in self.batches.items() if n <= upto),
+                                 timeout=timeout)
+
+    def finished(self, b: BatchState, default: int) -> None:
+        """The broker answered ``b``'s acknowledgements (called by the acknowledger)."""
+        with self.lock:
+            b.state = ACKED if default == ACCEPT else RELEASED
+            self.totals.add(b.outcome)
+            self.policy.acknowledged(b)
+            done = sorted(n for n, x in self.batches.items() if x.state in FINISHED)
+            for n in done[:-KEEP_FINISHED]:
+                del self.batches[n]
+            self._acked.notify_all()
+
+    # what progress and status() show -----------------------------------------------------------
+    def held(self) -> list[dict]:
+        """What each in-flight batch's slots acquired (for the backlog estimate)."""
+        with self.lock:
+            return [a for b in self.batches.values() if b.state in IN_FLIGHT for a in b.acquired.values()]
+
+    def progress(self) -> dict:
+        with self.lock:
+            done = [b for b in self.batches.values() if b.state in (ACKED, RELEASED)]
+            t = self.totals
+            return {"batch": max(self.batches) if self.batches else None,
+                    "inflightRecords": sum(b.rows for b in self.batches.values() if b.state in IN_FLIGHT),
+                    "lastAcked": max(done, key=lambda b: b.batch).summary() if done else None,
+                    "acquired": self.total_acquired, "accepted": t.accepted, "released": t.released,
+                    "rejected": t.rejected, "expired": t.expired, "failed": t.failed}
+
+    def status(self) -> dict:
+        """The last batches, the sessions that acquired records, and the claims of the last batch read."""
+        with self.lock:
+            read = [b for _, b in sorted(self.batches.items()) if b.claims]
+            return {"batches": [b.summary() for _, b in sorted(self.batches.items())[-20:]],
+                    "sessions": sorted({a.get("session") for b in self.batches.values() for a in b.acquired.values()
+                                        if a.get("session")}),
+                    "claims": list(read[-1].claims.values()) if read else []}

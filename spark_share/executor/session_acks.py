@@ -1,0 +1,110 @@
+"""Acknowledging what one poll of a share consumer acquired: each record once, with its verdict, then
+one commit; the broker's answer counted by kind.
+
+Owns: ``acknowledge_held`` (runs on the session's thread: the client is not thread-safe), the error
+codes that matter (a lock that expired is counted ``expired``, anything else ``failed``), and naming
+a client error for counts and logs (``error_code``).
+
+Must never: acknowledge a record the poll did not acquire, or stop at a record the client refuses
+(no longer in flight for us: it is counted, and the broker delivers it again).
+"""
+from __future__ import annotations
+
+import logging
+import operator
+from collections import deque
+from collections.abc import Callable
+from itertools import repeat
+from typing import TYPE_CHECKING
+
+from ..driver.batches import ACCEPT, REJECT, RELEASE, AckOutcome
+
+if TYPE_CHECKING:
+    from .session import Holding
+
+log = logging.getLogger("spark_share.executor.session")
+
+ERR_INVALID_RECORD_STATE = 121  # the lock expired (or the record is no longer acquired by us)
+
+
+def error_code(exc) -> tuple[int, str]:
+    """(code, "NAME(code)") of a KafkaException; the label is what counts and logs show."""
+    err = exc.args[0] if getattr(exc, "args", None) else None
+    if err is not None and hasattr(err, "code"):
+        return err.code(), f"{err.name()}({err.code()})"
+    return -1, type(exc).__name__
+
+
+def acknowledge_held(consumer, h: Holding | None, verdicts: dict[tuple[str, int, int], int], default: int,
+                     timeout_s: float, scrub: Callable[[str], str], session_id: str) -> AckOutcome:
+    """Acknowledge every record ``h`` acquired, ``default`` unless ``verdicts`` says otherwise, then commit;
+    what the broker answered, counted by kind. A record the client refuses is counted, not raised."""
+    out = AckOutcome()
+    if h is None:
+        return out
+    per_tp: dict[tuple[str, int], dict[int, int]] = {}
+    ack = consumer.acknowledge_offset
+    for topic, parts in h.acquired.items():
+        for part, runs in parts.items():
+            counts = per_tp.setdefault((topic, part), {})
+            for lo, hi in runs:
+                offsets = iter(range(lo, hi + 1))
+                if not verdicts:
+                    # Every record gets the default: one C-level pass over the run. A call that
+                    # raises stops it; the loop below goes on after that offset.
+                    try:
+                        deque(map(ack, repeat(topic), repeat(part), offsets, repeat(default)), maxlen=0)
+                        counts[default] = counts.get(default, 0) + hi - lo + 1
+                        continue
+                    except Exception as e:
+                        failed_at = hi - operator.length_hint(offsets)
+                        counts[default] = counts.get(default, 0) + failed_at - lo
+                        _ack_failed(out, e)
+                for off in offsets:
+                    kind = verdicts.get((topic, part, off), default) if verdicts else default
+                    try:
+                        ack(topic, part, off, kind)
+                    except Exception as e:  # no longer in flight for us: counted, comes back from the broker
+                        _ack_failed(out, e)
+                        continue
+                    counts[kind] = counts.get(kind, 0) + 1
+    try:
+        result = consumer.commit_sync(timeout_s)
+    except Exception as e:
+        code, name = error_code(e)
+        n = sum(sum(v.values()) for v in per_tp.values())
+        out.failed += n
+        out.errors[name] = out.errors.get(name, 0) + n
+        log.warning("session %s: commit_sync failed (%s); %d records will come back from the broker",
+                    session_id, scrub(str(e)), n)
+        return out
+    failed_tps = {}
+    for topic_partition, err in (result or {}).items():
+        if err is not None:
+            failed_tps[(topic_partition.topic, topic_partition.partition)] = error_code(err)
+    for tp, counts in per_tp.items():
+        n = sum(counts.values())
+        if tp in failed_tps:
+            code, name = failed_tps[tp]
+            if code == ERR_INVALID_RECORD_STATE:
+                out.expired += n
+            else:
+                out.failed += n
+            out.errors[name] = out.errors.get(name, 0) + n
+        else:
+            out.accepted += counts.get(ACCEPT, 0)
+            out.released += counts.get(RELEASE, 0)
+            out.rejected += counts.get(REJECT, 0)
+    if failed_tps:
+        log.warning("session %s: acknowledgement of batch %d failed for %s",
+                    session_id, h.batch,
+                    ", ".join(f"{t}-{p}: {name}" for (t, p), (code, name) in failed_tps.items()))
+    return out
+
+
+def _ack_failed(out: AckOutcome, e: Exception) -> None:
+    """One record could not be acknowledged (no longer in flight for us): counted; it comes back
+    from the broker."""
+    _, name = error_code(e)
+    out.failed += 1
+    out.errors[name] = out.errors.get(name, 0) + 1

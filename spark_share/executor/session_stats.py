@@ -1,0 +1,82 @@
+"""What librdkafka's statistics say of one share consumer: a steady member with partitions or not yet,
+and whether a fetch sent after a moment has been answered.
+
+Owns: the latest statistics text (``on_stats`` is the client's ``stats_cb``), parsing each text once,
+``steady`` (the consumer has been reported a steady member at least once), and ``drained``, which
+lets an empty poll end as soon as the broker has nothing for the consumer instead of at its timeout.
+
+Must never: call the consumer: statistics arrive only while the session thread serves the client's
+queue, and only that thread may.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+STATS_INTERVAL_MS = "100"  # how often librdkafka reports the group and fetch state an empty poll ends on
+
+
+def parse_stats(text: str) -> tuple[float, tuple[bool, dict[str, int]] | None]:
+    """(when librdkafka took them, in time.monotonic() seconds; (has partitions, ShareFetch requests
+    sent per broker) once the consumer is a steady member, else None) of a statistics text."""
+    try:
+        st = json.loads(text)
+        stamped = st["ts"] / 1e6
+        cgrp = st.get("cgrp") or {}
+        sent = {name: b["req"]["ShareFetch"] for name, b in st["brokers"].items()
+                if b.get("req", {}).get("ShareFetch")}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return 0.0, None
+    if cgrp.get("join_state") != "steady":
+        return stamped, None
+    return stamped, (cgrp.get("assignment_size", 0) > 0, sent)
+
+
+class FetchStats:
+    def __init__(self) -> None:
+        self._stats: tuple[float, str] = (0.0, "")  # (when, text) of librdkafka's latest statistics
+        self._parsed: tuple[float, tuple[float, tuple[bool, dict[str, int]] | None]] = (0.0, (0.0, None))
+        self.steady = False  # librdkafka has reported this consumer a steady member (with its assignment)
+
+    @property
+    def last_at(self) -> float:
+        """time.monotonic() when the latest statistics were served."""
+        return self._stats[0]
+
+    def on_stats(self, text: str) -> None:
+        # Served inside poll() (or commit_sync/commit_async, see _serve_idle); parsed only when an
+        # empty poll looks at it.
+        self._stats = (time.monotonic(), text)
+
+    def state(self, since: float) -> tuple[bool, dict[str, int]] | None:
+        """(joined with partitions, ShareFetch requests sent per broker) from statistics taken after
+        ``since`` (a time.monotonic(); librdkafka stamps them on the same clock, in microseconds:
+        they may be served well after they were taken); None when there are none yet."""
+        when, text = self._stats
+        if when <= since or not text:
+            return None
+        if self._parsed[0] != when:  # an empty poll looks every POLL_SLICE_S: parse each text once
+            self._parsed = (when, parse_stats(text))
+        stamped, state = self._parsed[1]
+        if state is not None:
+            self.steady = True
+        return state if stamped > since else None
+
+    def drained(self, started: float, base: dict[str, int]) -> bool:
+        """Has every broker this consumer fetches from answered a fetch sent after the poll began?
+        ``base`` holds the first counts seen after it began. A consumer in the group with no
+        partitions (more consumers than partitions on a broker that does not share them) has
+        nothing to wait for."""
+        state = self.state(started)
+        if state is None:
+            return False
+        assigned, sent = state
+        if not assigned:
+            return True
+        if not base:
+            base.update(sent)
+            return False
+        # Fetches go out one at a time per broker: a count two past the first one seen after the
+        # poll began means a fetch sent after it has been answered (with nothing, or poll() would
+        # have returned its records).
+        return bool(sent) and all(sent.get(b, 0) >= n + 2 for b, n in base.items())

@@ -1,0 +1,83 @@
+"""Fault matrix: a process of the read path is SIGKILLed (rows 3 and 4).
+
+Row 3: the reader's runner process (the tracker) dies holding records: its agents release
+everything and exit, a restart recovers all. Row 4: a Python worker dies while its read() waits on
+the agent's poll: the retried task gets that poll's result, no duplicates."""
+from __future__ import annotations
+
+import psutil
+import pytest
+
+import spark_share
+from harness.support import (
+    BatchCollector,
+    Workload,
+    agent_processes,
+    batch_agents,
+    check_no_loss,
+    gid,
+    kill,
+    python_workers,
+    read_stream,
+    registry,
+    run_available_now,
+    runner_processes,
+    wait_until,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def test_row3_driver_side_killed_holding_records(spark, kafka, tmp_path):
+    """The reader's runner process (the tracker) is SIGKILLed while a batch holds records: the
+    agents see their tracker vanish, release everything and exit; a restart recovers all."""
+    w = Workload(kafka, "r3", partitions=2)
+    w.produce(200)
+    group, ck = kafka.group(gid()), str(tmp_path / "ck")
+    state = {}
+
+    def kill_runner(df, batch_id):
+        df.count()
+        state["agents"] = {p.pid for p in batch_agents(df)}
+        qid = df.sparkSession.sparkContext.getLocalProperty("sql.streaming.queryId")
+        runner = registry(qid)["pid"]  # the tracker's process: this query's runner
+        assert runner in {p.pid for p in runner_processes()}
+        state["killed"] = kill([psutil.Process(runner)])
+
+    q = (read_stream(spark, kafka, group, w.topic).writeStream.foreachBatch(kill_runner)
+         .option("checkpointLocation", ck).start())
+    with pytest.raises(Exception):
+        q.awaitTermination(120)
+    assert state["killed"] >= 1 and state["agents"]
+    wait_until(lambda: not (state["agents"] & {p.pid for p in agent_processes()}), timeout=30,
+               message="agents outlived their tracker")
+    collector = BatchCollector()
+    q = run_available_now(spark, kafka, group, w.topic, collector, ck)
+    assert q.exception() is None
+    check_no_loss(w.ids, collector.ids)
+
+
+def test_row4_python_worker_killed_while_read_waits(spark, kafka, tmp_path):
+    """A Python worker is SIGKILLed while its read() waits on the agent's poll: the task is retried
+    in a new worker, which gets the same poll's result from the agent."""
+    w = Workload(kafka, "r4", partitions=1)
+    collector = BatchCollector()
+    q = (read_stream(spark, kafka, kafka.group(gid()), w.topic, pollTimeoutMs=8000).writeStream.foreachBatch(collector)
+         .option("checkpointLocation", str(tmp_path / "ck")).start())
+
+    def polling():
+        if not registry(q.id):
+            return False
+        return any(b.get("polling") for b in spark_share.status(q)["batches"])
+
+    try:
+        # A read task waits on the agent's poll (nothing to read yet, an 8 s poll): kill its worker.
+        wait_until(polling, timeout=60, message="no read in progress")
+        killed = kill(python_workers())
+        assert killed >= 1 and polling(), "the read was not in flight when its worker was killed"
+        w.produce(100)
+        wait_until(lambda: len(collector.rows) >= 100, timeout=60, message="records not delivered")
+    finally:
+        q.stop()
+    report = check_no_loss(w.ids, collector.ids)
+    assert report.duplicates == 0
