@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 
-from spark_share.transport import wire
+from spark_share.transport import tls, wire
 
 BASELINE = "da96ff6"  # the last commit with the HMAC channel (per-frame tags, optional AES-CTR)
 SECRET = wire.new_secret()
@@ -50,7 +50,7 @@ def load_old_wire():
 
 
 class PlainStream:
-    """wire.TlsStream's interface over the bare socket: frames, no protection."""
+    """tls.TlsStream's interface over the bare socket: frames, no protection."""
 
     def __init__(self, sock):
         self.sock, self._lock = sock, threading.Lock()
@@ -145,9 +145,9 @@ def frame_cost(name, where, old, frames: int) -> float:
     else:
         if name == "tls":
             streams = {}
-            t = threading.Thread(target=lambda: streams.setdefault("b", wire._admit(b, SECRET, server_side=True)))
+            t = threading.Thread(target=lambda: streams.setdefault("b", tls.admit(b, SECRET, server_side=True)))
             t.start()
-            sa = wire._admit(a, SECRET, server_side=False)
+            sa = tls.admit(a, SECRET, server_side=False)
             t.join()
             sb = streams["b"]
         else:
@@ -237,7 +237,7 @@ def main(argv=None) -> int:
                     measure(start, dial, address, args.calls // args.rounds, args.mb // args.rounds, into)
             print(f"round {r + 1} of {args.rounds} measured", file=sys.stderr)
     results = {k: figures(v) for k, v in samples.items()}
-    print(f"python {sys.version.split()[0]}, {wire.ssl.OPENSSL_VERSION}, {os.cpu_count()} cpus, "
+    print(f"python {sys.version.split()[0]}, {tls.ssl.OPENSSL_VERSION}, {os.cpu_count()} cpus, "
           f"load average {os.getloadavg()[0]:.1f}")
     for where in ("uds", "tcp"):
         print(f"\n{'Unix socket' if where == 'uds' else 'TCP loopback'}")

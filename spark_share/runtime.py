@@ -170,7 +170,8 @@ def prune(max_age_s: float = LOG_RETENTION_S, orphan_age_s: float = ORPHAN_AGE_S
     """Remove what no live process of ours owns (run when a tracker starts): logs untouched for a
     week, registry entries of trackers that are gone, checkpoint notes of queries long gone, and the
     socket and lock files of killed agents (at once when their tracker is gone too, else an hour on:
-    a live tracker may start a new agent), the life locks of killed trackers. Returns the names
+    a live tracker may start a new agent), the life locks of killed trackers, and TLS key files
+    left by a process killed while loading one (``transport.tls``). Returns the names
     removed."""
     base = runtime_dir()
     now = time.time()
@@ -197,6 +198,8 @@ def prune(max_age_s: float = LOG_RETENTION_S, orphan_age_s: float = ORPHAN_AGE_S
             continue
         elif name.startswith("tracker-") and name.endswith(".alive"):
             gone = not _tracker_alive(name[len("tracker-"):-len(".alive")])
+        elif name.startswith("tls-") and name.endswith(".pem"):  # a key file whose loader was killed mid-load
+            gone = age > 60
         if gone:
             remove(path)
             removed.append(name)

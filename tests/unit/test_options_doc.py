@@ -2,15 +2,16 @@
 import pathlib
 import re
 
-from spark_share.options import EXAMPLE, OPTIONS, options_markdown, parse_options
+from spark_share.options import OPTIONS, parse_options
+from spark_share.options_doc import EXAMPLE, options_markdown
 
 PAGE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "options.md"
-REGENERATE = "PYTHONPATH=. .venv/bin/python -m spark_share.options > docs/options.md"
+REGENERATE = "PYTHONPATH=. .venv/bin/python -m spark_share.options_doc > docs/options.md"
 
 
 def test_the_options_page_is_what_the_code_generates():
     assert PAGE.read_text() == options_markdown(), (
-        f"docs/options.md is not what spark_share/options.py generates; regenerate it: {REGENERATE}")
+        f"docs/options.md is not what spark_share/options_doc.py generates; regenerate it: {REGENERATE}")
 
 
 def test_the_page_lists_every_option_with_its_default():

@@ -47,6 +47,8 @@ def test_prune_removes_what_no_live_process_owns_and_keeps_the_rest(rdir):
         for suffix in (".spawn", ".alive", ".sock"):
             touch(rdir / f"agent-{agent}{suffix}", age_s=0 if agent in ("young", "orphan") else 2 * hour)
     touch(rdir / "tracker-orphan.alive")  # a tracker killed: nobody holds its lock
+    touch(rdir / "tls-left.pem", age_s=120)  # a key file whose loader was killed mid-load
+    touch(rdir / "tls-loading.pem")  # one being loaded now
     held = os.open(rdir / "agent-alive.alive", os.O_RDWR)  # what a running agent holds
     fcntl.flock(held, fcntl.LOCK_EX)
     tracker = runtime.hold_tracker_lock("young")  # what a running tracker holds
@@ -55,10 +57,11 @@ def test_prune_removes_what_no_live_process_owns_and_keeps_the_rest(rdir):
     finally:
         os.close(held)
     assert sorted(removed) == sorted(["query-dead.json", "checkpoint-dead.json", "tracker-old.log",
-                                      "tracker-old.log.2", "tracker-orphan.alive"]
+                                      "tracker-old.log.2", "tracker-orphan.alive", "tls-left.pem"]
                                      + [f"agent-{a}{s}" for a in ("killed", "orphan") for s in (".sock", ".alive", ".spawn")])
     assert sorted(p.name for p in rdir.iterdir()) == sorted(
-        ["query-live.json", "checkpoint-live.json", "checkpoint-recent.json", "tracker-new.log", "tracker-young.alive"]
+        ["query-live.json", "checkpoint-live.json", "checkpoint-recent.json", "tracker-new.log", "tracker-young.alive",
+         "tls-loading.pem"]
         + [f"agent-{a}{s}" for a in ("alive", "young") for s in (".spawn", ".alive", ".sock")])
     runtime.release_tracker_lock("young", tracker)
     assert not (rdir / "tracker-young.alive").exists()

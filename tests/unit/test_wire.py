@@ -12,7 +12,7 @@ import pytest
 
 from harness.support import wait_until
 from spark_share.errors import PeerConnectionError
-from spark_share.transport import wire
+from spark_share.transport import tls, wire
 
 SECRET = wire.new_secret()
 OTHER_QUERY = wire.new_secret()
@@ -191,7 +191,7 @@ def test_the_credential_never_reaches_logs_errors_or_disk(tmp_path, monkeypatch,
     monkeypatch.setenv("SPARK_SHARE_RUNTIME_DIR", str(tmp_path / "run"))
     caplog.set_level(logging.DEBUG)
     secret, other = wire.new_secret(), wire.new_secret()  # fresh: their keys are written and loaded here
-    key_pem = wire._certificate(secret)[0].decode()
+    key_pem = tls.certificate(secret)[0].decode()
     key_body = "".join(key_pem.splitlines()[1:-1])
     errors = []
     srv = wire.RpcServer(("127.0.0.1", 0), secret, lambda c, r, b: ({}, b""), name="quiet")
@@ -267,7 +267,7 @@ def test_an_oversized_frame_ends_the_connection(server):
     MAX_HEADER is not allocated, and the connection ends."""
     srv, seen = server
     sock = socket.create_connection(srv.address)
-    stream = wire._admit(sock, SECRET, server_side=False)
+    stream = tls.admit(sock, SECRET, server_side=False)
     stream.sendall(wire._FRAME.pack(wire.MAX_HEADER + 1, 0))
     assert _refused_by_peer(sock)
     stream.close()
