@@ -66,7 +66,7 @@ def main() -> None:
         t = reader._t()
         end = reader.latestOffset(start, None)
         rows = sum(rb.num_rows for p in reader.partitions(start, end) for rb in reader.read(p))
-        t._register_query(query_id)
+        t._serve_query(query_id)
         say("READ", rows, t.tracker_id)
         sys.stdin.readline()
 

@@ -435,15 +435,15 @@ def test_verdicts_find_their_batch_by_connect_session(kafka):
     try:
         for n in (0, 1):
             t.plan(n, None)
-            assert t._claim(conn, Claim(n, 0, connect_session=mine))["owner"] == "a1"
-            t._acquired(conn, Acquired(n, 0, rows=5, offsets={topic: {"0": [[n * 5, n * 5 + 4]]}}))
-        assert t._verdicts(conn, Verdicts(None, "reject", [[topic, 0, 7]], "bad", connect_session=other)) \
+            assert t._on_claim(conn, Claim(n, 0, connect_session=mine))["owner"] == "a1"
+            t._on_acquired(conn, Acquired(n, 0, rows=5, offsets={topic: {"0": [[n * 5, n * 5 + 4]]}}))
+        assert t._on_verdicts(conn, Verdicts(None, "reject", [[topic, 0, 7]], "bad", connect_session=other)) \
             == {"match": False}
-        rep = t._verdicts(conn, Verdicts(None, "reject", [[topic, 0, 7]], "bad", connect_session=mine))
+        rep = t._on_verdicts(conn, Verdicts(None, "reject", [[topic, 0, 7]], "bad", connect_session=mine))
         assert rep["match"] and rep["records"] == 1
         assert t.batches[1].verdicts == {(topic, 0, 7): (REJECT, "bad")} and not t.batches[0].verdicts
         with pytest.raises(VerdictError, match="not from batch"):  # batch 0's offset, in batch 1's session
-            t._verdicts(conn, Verdicts(None, "release", [[topic, 0, 2]], connect_session=mine))
+            t._on_verdicts(conn, Verdicts(None, "release", [[topic, 0, 2]], connect_session=mine))
     finally:
         t.agents.clear()
         t.shutdown()

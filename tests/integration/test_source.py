@@ -240,7 +240,7 @@ def test_available_now_waits_for_records_it_gave_back(kafka):
         t.plan(n, None)
         verdict[n] = outcome
         if rows:
-            t._acquired(agent, Acquired(n, 0, rows=rows, redelivered=redelivered,
+            t._on_acquired(agent, Acquired(n, 0, rows=rows, redelivered=redelivered,
                                         offsets={w.topic: {"0": [[0, rows - 1]]}}))
         t.batch_committed(n)
         return t.should_run(n)
@@ -296,11 +296,11 @@ def test_stop_accepts_a_committed_batch_it_was_not_told_of(kafka, tmp_path):
     with open(checkpoint_note_path(query_id), "w") as f:  # what the listener notes when the query starts
         json.dump({"root": f"file:{tmp_path}", "runId": "r"}, f)
     try:
-        t._register_query(query_id)
+        t._serve_query(query_id)
         for n, spark_batch in ((0, 4), (1, 5)):
             t.plan(n, None)
             t.batches[n].spark_batch = spark_batch
-            t._acquired(agent, Acquired(n, 0, rows=3, offsets={topic: {"0": [[3 * n, 3 * n + 2]]}}))
+            t._on_acquired(agent, Acquired(n, 0, rows=3, offsets={topic: {"0": [[3 * n, 3 * n + 2]]}}))
     finally:
         t.shutdown()
         os.unlink(checkpoint_note_path(query_id))
@@ -547,7 +547,7 @@ def test_a_batch_planned_before_the_agent_joined_is_polled_when_it_joins(kafka, 
         b = t.plan(0, None)
         assert b is not None and b.slots == 2
         assert sent == [], "a prefetch went nowhere: no agent had joined"
-        t._hello(SimpleNamespace(info={}, call_async=call_async), Hello("a1", "vm", 1))
+        t._on_hello(SimpleNamespace(info={}, call_async=call_async), Hello("a1", "vm", 1))
         assert [(r["op"], r["batch"], r["count"]) for r in sent] == [("prefetch", 0, 2)]
     finally:
         t.agents.clear()

@@ -43,4 +43,4 @@ def tracker(kafka, topic, **options) -> tuple[Tracker, str]:
 
 
 def acquired(t: Tracker, agent, batch: int, slot: int, topic: str, partition: int, first: int, last: int) -> None:
-    t._acquired(agent, Acquired(batch, slot, rows=last - first + 1, offsets={topic: {str(partition): [[first, last]]}}))
+    t._on_acquired(agent, Acquired(batch, slot, rows=last - first + 1, offsets={topic: {str(partition): [[first, last]]}}))

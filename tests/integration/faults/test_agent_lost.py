@@ -127,12 +127,12 @@ def test_a_slot_whose_agent_is_lost_reads_nothing_new(kafka):
     t.agents.update(a1=a1, a2=a2, a3=a3)
     try:
         t.plan(0, None)
-        assert t._claim(a1, Claim(0, 0))["owner"] == "a1"
+        assert t._on_claim(a1, Claim(0, 0))["owner"] == "a1"
         acquired(t, a1, 0, 0, topic, 0, 0, 4)
-        assert t._claim(a3, Claim(0, 1))["owner"] == "a3"
+        assert t._on_claim(a3, Claim(0, 1))["owner"] == "a3"
         del t.agents["a1"], t.agents["a3"]
-        assert t._claim(a2, Claim(0, 0))["owner"] is None
-        assert t._claim(a2, Claim(0, 1))["owner"] == "a2"
+        assert t._on_claim(a2, Claim(0, 0))["owner"] is None
+        assert t._on_claim(a2, Claim(0, 1))["owner"] == "a2"
         t.batch_committed(0)
         assert t.batches[0].outcome.failed == 5 and t.batches[0].outcome.errors == {AGENT_LOST: 5}
     finally:

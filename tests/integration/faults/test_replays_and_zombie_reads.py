@@ -134,22 +134,22 @@ def test_reads_of_batches_this_run_cannot_serve_are_refused(kafka):
     try:
         assert t.batch_to_read(4) is None, "a batch an earlier run planned (a replay) must read nothing"
         with pytest.raises(BatchRefused, match="planned by an earlier run"):
-            t._claim(a1, Claim(4, 0))
+            t._on_claim(a1, Claim(4, 0))
         with pytest.raises(BatchRefused, match="never planned"):
-            t._claim(a1, Claim(9, 0))
+            t._on_claim(a1, Claim(9, 0))
         b = t.plan(5, None)
-        assert t.batch_to_read(5) is b and t._claim(a1, Claim(5, 0))["owner"] == "a1"
+        assert t.batch_to_read(5) is b and t._on_claim(a1, Claim(5, 0))["owner"] == "a1"
         acquired(t, a1, 5, 0, topic, 0, 0, 9)
         t.batch_committed(5)
         assert b.state == "acked"
         with pytest.raises(BatchRefused, match="already committed"):
-            t._claim(a2, Claim(5, 0))
+            t._on_claim(a2, Claim(5, 0))
         with pytest.raises(BatchRefused, match="already committed"):
-            t._claim(a2, Claim(2, 0))  # older than anything kept: finished long ago
+            t._on_claim(a2, Claim(2, 0))  # older than anything kept: finished long ago
         assert t.total_acquired == 10
     finally:
         t.agents.clear()
         t.shutdown()
     with pytest.raises(BatchRefused, match="stopping"):
-        t._claim(a1, Claim(6, 0))
+        t._on_claim(a1, Claim(6, 0))
     assert t.plan(6, None) is None
