@@ -106,7 +106,7 @@ class ShareSession:
         self._acks_lock = threading.Lock()
         client_conf: dict[str, Any] = dict(conf)
         client_conf.setdefault("statistics.interval.ms", STATS_INTERVAL_MS)
-        client_conf["stats_cb"] = self._fetch_stats.on_stats
+        client_conf["stats_cb"] = self._on_stats
         self._failures = FailureWatch(conf, scrub)
         client_conf["error_cb"] = self._failures
         self.consumer = ShareConsumer(client_conf)
@@ -128,6 +128,10 @@ class ShareSession:
         """Holds records nobody has asked it to acknowledge yet. Once an acknowledgement is queued
         the session may take its next poll: the queue runs the acknowledgement first."""
         return self.holding is not None and not self._acks_queued
+
+    def _on_stats(self, text: str) -> None:
+        # librdkafka's stats_cb, run on the session thread while it serves the client's queue.
+        self._fetch_stats.on_stats(text)
 
     def _submit(self, fn: Callable) -> Future:
         fut: Future = Future()
