@@ -26,6 +26,7 @@ import threading
 os.environ["SPARK_SHARE_FORCE_SIGTERM"] = "1"  # the runner's SIGTERM handling, outside the runner
 
 from spark_share.driver.acks import Acknowledger  # noqa: E402
+from spark_share.driver.agents import AgentRoster  # noqa: E402
 from spark_share.driver.tracker import Tracker  # noqa: E402
 from spark_share.options import parse_options  # noqa: E402
 from spark_share.reader import ShareStreamReader  # noqa: E402
@@ -80,13 +81,13 @@ def main() -> None:
 
             Tracker._acknowledge = held_acknowledge
         elif phase == "planning":
-            prefetch = Tracker._prefetch
+            prefetch = AgentRoster.prefetch
 
             def held_prefetch(self, b):
                 prefetch(self, b)
                 hold(phase)
 
-            Tracker._prefetch = held_prefetch
+            AgentRoster.prefetch = held_prefetch
         elif phase == "acknowledging":
             collect = Acknowledger._collect
 
