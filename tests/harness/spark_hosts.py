@@ -123,7 +123,7 @@ class NamespaceCluster:
     def _kept_under_tmp(self) -> list[str]:
         """Paths under /tmp that every host must see, relative to /tmp: this repository and the
         virtualenv (with pyspark), when they are there (a CI clone)."""
-        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/harness/ -> the repository
         found = sorted({os.path.realpath(p) for p in (repo, sys.prefix, self.spark_home)})
         under = [p for p in found if p.startswith("/tmp/")]
         outer = [p for p in under if not any(p != q and p.startswith(q + "/") for q in under)]
