@@ -249,20 +249,22 @@ def query_runs(events_path: str) -> int:
 PER_QUERY_RUN = {"driver": {"threads": 1, "sockets": 1, "fds": 1}, "JVM": {"threads": 1, "sockets": 2, "fds": 4}}
 
 
-def series(samples: list[dict]) -> dict[str, tuple[str, list[float]]]:
-    """name -> (metric, values) of every sampled series (driver and JVM counts without what Spark
-    and py4j keep per query run, when the samples know the runs: see PER_QUERY_RUN)."""
-    out: dict[str, tuple[str, list[float]]] = {}
+def series(samples: list[dict]) -> dict[str, tuple[str, list[float], list[float]]]:
+    """name -> (metric, times, values) of every sampled series (driver and JVM counts without what Spark
+    and py4j keep per query run, when the samples know the runs: see PER_QUERY_RUN). A kind's RSS,
+    files, threads and sockets count only samples in which it had a process: the runner and the agent
+    are gone between two runs of the query, and an absent process is no 0 MiB to grow from."""
+    out: dict[str, tuple[str, list[float], list[float]]] = {}
     runs = [s.get("query_runs", 0) for s in samples]
+    ts = [s["t"] for s in samples]
     for kind in KINDS:
         for metric in (*METRICS, "n"):
-            values = [s["kinds"][kind][metric] for s in samples]
             per_run = PER_QUERY_RUN.get(kind, {}).get(metric, 0)
-            if per_run:
-                values = [v - per_run * r for v, r in zip(values, runs)]
-            out[f"{kind} {metric}"] = (metric, values)
+            points = [(t, s["kinds"][kind][metric] - per_run * r) for t, s, r in zip(ts, samples, runs)
+                      if metric == "n" or s["kinds"][kind]["n"]]
+            out[f"{kind} {metric}"] = (metric, [t for t, _ in points], [v for _, v in points])
     for name in ("runtime_files", "runtime_bytes", "checkpoint_files"):
-        out[name] = (name, [s[name] for s in samples])
+        out[name] = (name, ts, [s[name] for s in samples])
     return out
 
 
@@ -274,10 +276,11 @@ def growth_verdict(samples: list[dict], warmup_s: float) -> list[SeriesVerdict]:
     if len(kept) < 6:
         raise ValueError(f"{len(kept)} samples after a {warmup_s:.0f} s warm-up: too few to judge growth; "
                          "run longer or sample more often")
-    ts = [s["t"] for s in kept]
-    window = ts[-1] - ts[0]
     out = []
-    for name, (metric, values) in series(kept).items():
+    for name, (metric, ts, values) in series(kept).items():
+        if len(ts) < 6:  # a kind that hardly ran after the warm-up: nothing to judge
+            continue
+        window = ts[-1] - ts[0]
         ys = [float(v) for v in values]
         third = max(2, len(ys) // 3)
         first, last = statistics.median(ys[:third]), statistics.median(ys[-third:])

@@ -38,6 +38,20 @@ def test_noise_one_step_and_a_restart_do_not():
     assert grows(samples(lambda t: 100 + (t % 100) * 0.2)) == set(), "a sawtooth: a process killed and restarted"
 
 
+def test_a_process_absent_between_query_runs_is_no_growth_from_zero():
+    # The runner and the agent are gone while the query restarts: 0 MiB then, 100 MiB once it runs again.
+    s = samples(lambda t: 100)
+    for x in s:
+        if x["t"] < 60:
+            x["kinds"]["agent"] = {"n": 0, "rss_mib": 0.0, "fds": 0, "threads": 0, "sockets": 0}
+    assert grows(s) == set()
+    # A process that is there and leaks still fails the verdict, gaps or not.
+    leaking = samples(lambda t: 100 + 0.5 * t)
+    for x in leaking[10:14]:
+        x["kinds"]["agent"] = {"n": 0, "rss_mib": 0.0, "fds": 0, "threads": 0, "sockets": 0}
+    assert grows(leaking) == {"agent rss_mib"}
+
+
 def test_too_few_samples_after_warm_up_is_an_error():
     with pytest.raises(ValueError, match="too few"):
         growth_verdict(samples(lambda t: 100, n=8), warmup_s=30)
