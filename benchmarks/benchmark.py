@@ -170,9 +170,11 @@ class CpuSampler:
 def raw_loop(kafka, topic, consumers, n):
     group = kafka.group(f"raw-{uuid.uuid4().hex[:6]}")
     cfg = {"client": kafka.client(), "group": group, "topic": topic, "consumers": consumers, "records": n}
+    started = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", RAW_LOOP], input=json.dumps(cfg) + "\n", capture_output=True,
                          text=True, timeout=600)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    # "seconds" counts from its consumers' subscribe; "process_seconds" from the process's start.
+    return {**json.loads(out.stdout.strip().splitlines()[-1]), "process_seconds": time.perf_counter() - started}
 
 
 def _batch_end(p) -> float:
@@ -191,24 +193,37 @@ def share_stream(spark, kafka, topic, group=None, **options):
     for k, v in kafka.client().items():
         r = r.option("kafka." + k, v)
     for k, v in options.items():
-        r = r.option(k, str(v))
+        if v is not None:  # numPartitions=None: the source's default
+            r = r.option(k, str(v))
     return r
 
 
-def share_run(spark, kafka, topic, slots, n, tmp, locks=None):
-    r = share_stream(spark, kafka, topic, numPartitions=slots)
+def share_run(spark, kafka, topic, slots, n, tmp, locks=None, group=None, sink=None):
+    """An AvailableNow query over the backlog ``topic`` (``n`` records) into the noop sink (or
+    ``sink``, a foreachBatch function), ``slots`` read tasks (None: the source's default): its
+    times, CPU by process, Spark's per-batch phases and the tracker's view of each batch."""
+    import spark_share
+
+    r = share_stream(spark, kafka, topic, group=group, numPartitions=slots)
     if locks and isinstance(kafka, EmbeddedKafka):
         r = r.option("maxRecordLocks", str(locks))
     df = r.load()
     with CpuSampler() as cpu:
         t0 = time.perf_counter()
         wall0 = time.time()
-        q = (df.writeStream.format("noop").option("checkpointLocation", os.path.join(tmp, uuid.uuid4().hex))
-             .trigger(availableNow=True).start())
+        w = df.writeStream.foreachBatch(sink) if sink else df.writeStream.format("noop")
+        q = w.option("checkpointLocation", os.path.join(tmp, uuid.uuid4().hex)).trigger(availableNow=True).start()
         first = None  # (time, cpu) when the first batch (query, agent and consumer start-up) is done
+        tracked, asked = {}, 0.0  # the tracker's summary of each batch (it keeps the last few)
         while not q.awaitTermination(0.1):
             if first is None and q.lastProgress:
                 first = (time.perf_counter(), cpu.seconds, cpu.by_kind)
+            if time.perf_counter() - asked > 0.5:
+                asked = time.perf_counter()
+                try:
+                    tracked.update((b["batch"], b) for b in spark_share.status(q).get("batches", []))
+                except Exception:  # not started yet, or just ended
+                    pass
         end = time.perf_counter()
         wall_end = time.time()
         wall = end - t0
@@ -226,6 +241,7 @@ def share_run(spark, kafka, topic, slots, n, tmp, locks=None):
     phases = [dict(batch=p["batchId"], rows=p["numInputRows"], **{k: v for k, v in p["durationMs"].items()
                                                                     if k != "getBatch"}) for p in q.recentProgress]
     return {"seconds": wall, "busy_seconds": busy, "records": rows, "batches": len(prog), "cpu": cpu.seconds,
+            "tracked": [tracked[k] for k in sorted(tracked)],
             "first_row_s": first_row_s, "end_after_last_s": end_after_last_s,
             "mean_batch": rows / max(1, len(prog)),
             "phases": phases,
@@ -298,7 +314,10 @@ def floor_run(spark, batches, tasks, rows, tmp):
     records = sum(p["numInputRows"] for p in q.recentProgress)
     first = first or (t0, 0.0, {})
     steady = records - tasks * rows
+    phases = [dict(batch=p["batchId"], rows=p["numInputRows"], **{k: v for k, v in p["durationMs"].items()
+                                                                    if k != "getBatch"}) for p in q.recentProgress]
     return {"records": records, "rps": records / (end - t0), "steady_rps": steady / (end - first[0]),
+            "phases": phases,
             "cpu_per_m": cpu.seconds / records * 1e6, "steady_cpu_per_m": (cpu.seconds - first[1]) / steady * 1e6,
             "cpu_by_process": {k: round(v, 2) for k, v in cpu.by_kind.items()},
             "steady_cpu_per_m_by_process": {k: (v - first[2].get(k, 0.0)) / steady * 1e6 for k, v in cpu.by_kind.items()}}

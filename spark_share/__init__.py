@@ -71,11 +71,13 @@ def _source_for(spark):
     from the SparkContext's environment (classic) or from a subclass that carries it (Spark
     Connect: no SparkContext in the client; the class is sent to the server by value)."""
     from .connect import is_connect
+    from .driver.policy import PARALLELISM_ENV
     from .source import KafkaShareDataSource
 
     found = {}
     if is_connect(spark):
-        for key, conf in (("SPARK_SHARE_MASTER", "spark.master"), ("SPARK_SHARE_DRIVER_HOST", "spark.driver.host")):
+        for key, conf in (("SPARK_SHARE_MASTER", "spark.master"), ("SPARK_SHARE_DRIVER_HOST", "spark.driver.host"),
+                          (PARALLELISM_ENV, "spark.default.parallelism")):
             try:
                 value = spark.conf.get(conf, None)
             except Exception:  # a Connect service may hide its confs; loopback then, or SPARK_SHARE_BIND_HOST
@@ -85,6 +87,9 @@ def _source_for(spark):
         return type("KafkaShareDataSourceOnConnect", (KafkaShareDataSource,), {"cluster_env": found})
     sc = spark.sparkContext
     sc.environment["SPARK_SHARE_MASTER"] = sc.master
+    # The task slots Spark has now: the default numPartitions (more read tasks than slots only
+    # queue behind each other, each paying a task's fixed cost).
+    sc.environment[PARALLELISM_ENV] = str(sc.defaultParallelism)
     host = sc.getConf().get("spark.driver.host")
     if host:
         sc.environment["SPARK_SHARE_DRIVER_HOST"] = host

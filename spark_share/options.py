@@ -127,7 +127,8 @@ OPTIONS: tuple[Option, ...] = (
            "add the `headers` column, `array<struct<key string, value binary>>`"),
     Option("numPartitions", "num_partitions", None, integer(1, 10_000),
            "Spark tasks per micro-batch, and so share consumers (one poll each per batch). "
-           "Default: the number of subscribed topic-partitions"),
+           "Default: the number of subscribed topic-partitions, at most the task slots Spark has "
+           "(`spark.default.parallelism`, which `spark_share.register()` passes on)"),
     Option("maxRecordsPerTrigger", "max_records_per_trigger", None, integer(1, 2**62),
            "upper bound of records per micro-batch (admission control; ignored under `ReadAllAvailable`, "
            "as Spark requires). Default: no bound beyond one poll per consumer"),

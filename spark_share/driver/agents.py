@@ -1,7 +1,7 @@
 """The agents of one query run, as the tracker sees them: who joined, from which host, what each is told.
 
 Owns: the agents' connections by id (``conns``), the answer to an agent's hello (how many sessions it
-starts and what they read), starting a planned batch's polls on this host's agent (``prefetch``),
+starts and what they read), starting a batch's polls on this host's agent (``prefetch``),
 relaying a re-read to the agent that holds a slot, an agent leaving, the per-host view of status(),
 and asking every agent to stop.
 
@@ -78,10 +78,10 @@ class AgentRoster:
             log.warning("agent %s disconnected; records it held go back to the share group", agent_id)
 
     def prefetch(self, b: BatchState) -> None:
-        """On one host, ask its agent to start every poll of ``b`` now, while Spark writes its offsets
-        and schedules the read tasks. On a cluster, nothing: a Python source has no preferred
-        locations, and records polled on a host where no task of the batch lands would be held until
-        a later batch reads there. A batch planned before the agent joined is sent when it joins."""
+        """On one host, ask its agent to start every poll of ``b`` now (``Tracker.plan`` says when:
+        ``BatchPolicy.prefetches``). A batch planned before the agent joined is sent when it joins.
+        Nothing on a cluster: a Python source has no preferred locations, and records polled on a
+        host where no task of the batch lands would be held until a later batch reads there."""
         if not one_host():
             return
         with self.lock:

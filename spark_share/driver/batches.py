@@ -117,4 +117,26 @@ class BatchState:
         if self.committed_at and self.acked_at:
             d["ackLatencyMs"] = round((self.acked_at - self.committed_at) * 1000, 1)
             d["ackedAt"] = round(self.acked_at, 3)
+            phases = self.phases_ms()
+            if phases:
+                d["phasesMs"] = phases
         return d
+
+    def phases_ms(self) -> dict[str, float] | None:
+        """Where an acknowledged batch's time went, in ms: ``poll`` (planned -> the first poll's
+        return: the broker's answer), then the records' time in flight: ``toRead`` (-> the last slot
+        handed to its read task: Spark scheduling the tasks, the agent converting, ``convert`` of it
+        on the slowest slot), ``spark`` (-> Spark's commit: Arrow into the JVM, the sink, the commit
+        log) and ``ack`` (-> the broker confirmed the acknowledgements)."""
+        slots = [a for a in self.acquired.values() if a.get("rows") and a.get("acquired_at") and a.get("reported_at")]
+        if not slots or not self.committed_at or not self.acked_at:
+            return None
+        acquired = min(a["acquired_at"] for a in slots)
+        read = max(a["reported_at"] for a in slots)
+
+        def ms(a: float, b: float) -> float:
+            return round(max(0.0, b - a) * 1000, 1)
+
+        return {"poll": ms(self.planned_at, acquired), "toRead": ms(acquired, read),
+                "convert": round(max(a.get("convert_ms", 0.0) for a in slots), 1),
+                "spark": ms(read, self.committed_at), "ack": ms(self.committed_at, self.acked_at)}

@@ -130,7 +130,8 @@ class BatchLedger:
         with self.lock:
             b = self.batches[m.batch]
             b.acquired[m.slot] = {"agent": agent_id, "session": m.session, "rows": m.rows,
-                                  "acquired_at": m.acquired_at, "offsets": m.offsets, "timed_out": m.timed_out}
+                                  "acquired_at": m.acquired_at, "offsets": m.offsets, "timed_out": m.timed_out,
+                                  "reported_at": time.time(), "convert_ms": m.convert_ms}
             self.policy.acquired(m.offsets, m.redelivered, (agent_id, m.session), m.carried)
             limit = self.max_delivery_count
             for t, p, o, count in m.poison:

@@ -41,8 +41,29 @@ RECENT_HOLDS = 20  # batches whose hold times say the lock is at least that long
 # Kafka's default group.share.partition.max.record.locks: records of a partition the group may have
 # in flight. A batch holds its records until Spark commits it, so this caps a batch.
 DEFAULT_RECORD_LOCKS = 2000
+# Spark's default parallelism, which ``spark_share.register()`` passes to the driver side (classic:
+# the SparkContext's environment; Spark Connect: the server's ``spark.default.parallelism``, if set).
+PARALLELISM_ENV = "SPARK_SHARE_PARALLELISM"
 
 Partition = tuple[str, int]
+
+
+def task_slots(parallelism: str | None) -> int | None:
+    """Spark's task slots from ``PARALLELISM_ENV`` (None: not passed, or not a positive number)."""
+    try:
+        cores = int(parallelism) if parallelism else 0
+    except ValueError:
+        cores = 0
+    return cores if cores > 0 else None
+
+
+def default_slots(partitions: int, parallelism: str | None) -> int:
+    """Read slots of a batch when ``numPartitions`` is not given: one per topic-partition (a consumer
+    gains nothing from a partition of its own beyond that), at most the task slots Spark has. More
+    read tasks than slots queue behind each other, each paying a task's fixed cost (a batch of 8
+    tasks on 2 cores took 0.5 s where 2 took 0.28 s, on real Kafka)."""
+    slots, cores = max(1, partitions), task_slots(parallelism)
+    return min(slots, cores) if cores else slots
 
 
 class BatchPolicy:
@@ -58,6 +79,7 @@ class BatchPolicy:
         self.idle = False
         self.available_now_target: dict[Partition, int] | None = None
         self.max_seen: dict[Partition, int] = {}  # highest offset acquired per partition in this run
+        self.task_slots: int | None = None  # Spark's, when register() passed them
         self.empty_streak = 0
         # Records this AvailableNow run gave back (released, failed or expired acks) and has not seen
         # again: an empty batch does not end the run while some are due (a few times, as above).
@@ -156,6 +178,18 @@ class BatchPolicy:
     # --- slots and budgets -------------------------------------------------------------------------
     def slots_for(self, limit: int | None) -> int:
         return self.num_slots if limit is None else max(1, min(self.num_slots, limit))
+
+    def prefetches(self, slots: int) -> bool:
+        """Should a new batch of ``slots`` read tasks start its polls as soon as it is planned (one
+        host), before its read tasks ask? At start-up, so that the group join overlaps Spark's
+        planning; later only when its tasks queue for Spark's task slots, so that the polls of the
+        tasks that wait are done when they run. Otherwise a poll answers in milliseconds, and records
+        polled early are held (their lock running, the lock budget spent) while Spark writes its
+        offset log and schedules the tasks, on the cores Spark needs for that. On real Kafka, 2
+        cores, 2,000 locks, side by side: in flight 85 ms instead of 190-220 ms, and 93,000-99,000
+        records/s after the first batch instead of 76,000-89,000. Polls started at Spark's
+        ``partitions`` call (after its offset-log write) held the records 140 ms, for no gain."""
+        return not self.max_seen or (self.task_slots is not None and slots > self.task_slots)
 
     def slots_of_new_batch(self, limit: int | None) -> int:
         """A closing AvailableNow run's last batch has no read tasks: it only acknowledges and reports."""

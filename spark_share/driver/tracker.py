@@ -37,7 +37,7 @@ from .agents import AgentRoster, agent_of, one_host
 from .batches import ACCEPT, ACKING, RELEASE, BatchState
 from .commitlog import CommitLog
 from .ledger import BatchLedger
-from .policy import DEFAULT_RECORD_LOCKS, BatchPolicy
+from .policy import DEFAULT_RECORD_LOCKS, PARALLELISM_ENV, BatchPolicy, default_slots, task_slots
 from .registration import Registration
 from .watermarks import MetadataWatcher
 
@@ -113,7 +113,9 @@ class Tracker:
     def _size_batches(self) -> None:
         """Slots from the partitions, and the lock budget and duration from the options or the broker."""
         opts, partitions = self.opts, len(self.metadata.partitions)
-        self.policy.num_slots = opts.num_partitions or max(1, partitions)
+        parallelism = os.environ.get(PARALLELISM_ENV)
+        self.policy.num_slots = opts.num_partitions or default_slots(partitions, parallelism)
+        self.policy.task_slots = task_slots(parallelism)
         self.policy.partitions = max(1, partitions)
         broker_locks, lock_ms = self.metadata.share_limits()
         if lock_ms is not None:
@@ -126,7 +128,9 @@ class Tracker:
         self.policy.record_locks = locks
         log.info("spark-share tracker %s for group %r, topics %s (%d partitions), %d slots, listening on %s:%d",
                  self.tracker_id, opts.group_id, list(opts.topics), partitions, self.policy.num_slots, *self.address)
-        log.info("record locks per partition: %d, from %s: a batch holds at most %d records, %d per consumer",
+        log.info("record locks per partition: %d, from %s: the group may hold about %d records at once, so a "
+                 "batch reaches about that many (%d per consumer's poll; the broker hands out whole producer "
+                 "batches, so a batch can pass it by up to one of those per partition)",
                  locks, said, self.policy.lock_budget, self.policy.poll_size(None))
         log.info("record lock duration: %.0f ms, %s", self.policy.lock_ms,
                  "the group's share.record.lock.duration.ms" if lock_ms is not None
@@ -217,7 +221,7 @@ class Tracker:
         """Create ``batch`` (from latestOffset only: the one place a batch that reads is made) and start
         its polls; None once the query is stopping."""
         b, new = self.ledger.plan(batch, max_records, self.metadata.version)
-        if new and b is not None and b.slots:
+        if new and b is not None and b.slots and self.policy.prefetches(b.slots):
             self.roster.prefetch(b)
         return b
 

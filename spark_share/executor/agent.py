@@ -26,6 +26,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -174,8 +175,10 @@ class Agent:
                 self.pool.give_back(session)
                 raise
             acquired = holding.acquired if rb.num_rows else {}
+            converting = time.perf_counter()
             out, poison = self._visible(rb)
             ipc = records.to_ipc(out)
+            convert_ms = (holding.convert_s + time.perf_counter() - converting) * 1000
             # The tracker learns what this (batch, slot) holds before any row of it reaches Spark: a
             # record it does not know of could never be acknowledged nor given a verdict.
             try:
@@ -183,7 +186,8 @@ class Agent:
                     batch, slot, rows=rb.num_rows, session=session.session_id, acquired_at=holding.acquired_at,
                     offsets={t: {str(p): runs for p, runs in parts.items()} for t, parts in acquired.items()},
                     poison=poison, redelivered=_redelivered(rb), spark_batch=spark_batch,
-                    members=len(self.pool), timed_out=holding.timed_out, carried=session.carrying), timeout=60)
+                    members=len(self.pool), timed_out=holding.timed_out, carried=session.carrying,
+                    convert_ms=round(convert_ms, 1)), timeout=60)
             except BaseException:
                 if rb.num_rows:
                     session.release_all(30).result(35)

@@ -71,6 +71,7 @@ class Holding:
     # Empty because the poll ran out of time, not because a fetch came back without records: a slow
     # broker (a first fetch behind a big backlog, an assignment still to come), not an empty queue.
     timed_out: bool = False
+    convert_s: float = 0.0  # the poll's messages -> Arrow
 
 
 class ShareSession:
@@ -254,8 +255,10 @@ class ShareSession:
         if max_records is not None and len(good) > max_records:
             good, self._carried = good[:max_records], good[max_records:]
             self._carried_at = acquired_at
+        converting = time.perf_counter()
         rb, acquired = records.to_record_batch(good, self.include_headers, self._only_topic)
-        holding = Holding(batch, slot, acquired, rb.num_rows, acquired_at, timed_out=not msgs and not drained)
+        holding = Holding(batch, slot, acquired, rb.num_rows, acquired_at, timed_out=not msgs and not drained,
+                          convert_s=time.perf_counter() - converting)
         if rb.num_rows:
             self.holding = holding
         return rb, holding

@@ -8,7 +8,8 @@ cluster of yours, its security settings: on stdin, since a command line is visib
 It reads batch 0 (spawning this host's agent), prints ``READ <rows> <tracker id>``, waits for a line
 on stdin (the test produces more records meanwhile), then calls latestOffset(end of batch 0) as
 Spark does once batch 0 is in its commit log: that ACCEPTs batch 0 and plans batch 1, whose polls
-start at once. At PHASE it prints ``PHASE <name>`` and holds until the stop has begun:
+start at once (its 2 read tasks queue for Spark's 1 task slot, as this harness tells the source).
+At PHASE it prints ``PHASE <name>`` and holds until the stop has begun:
 
 - ``latest_offset``: the main thread, inside latestOffset, about to send batch 0's acknowledgements;
 - ``planning``: the main thread, inside latestOffset, right after batch 1's polls were started;
@@ -24,6 +25,7 @@ import sys
 import threading
 
 os.environ["SPARK_SHARE_FORCE_SIGTERM"] = "1"  # the runner's SIGTERM handling, outside the runner
+os.environ["SPARK_SHARE_PARALLELISM"] = "1"  # as register() says of a Spark with one task slot
 
 from spark_share.driver.acks import Acknowledger  # noqa: E402
 from spark_share.driver.agents import AgentRoster  # noqa: E402
@@ -61,7 +63,8 @@ def main() -> None:
 
     Tracker.shutdown = shutdown_and_say
     reader = ShareStreamReader(parse_options({**{f"kafka.{k}": v for k, v in client.items()}, "kafka.group.id": group,
-                                              "subscribe": topic, "pollTimeoutMs": "5000"}))
+                                              "subscribe": topic, "pollTimeoutMs": "5000",
+                                              "numPartitions": "2"}))
     try:  # as the runner: stop() when the main thread leaves, however it leaves
         start = reader.initialOffset()
         t = reader._t()

@@ -152,3 +152,18 @@ def test_each_kind_is_counted_on_its_own(field):
     o = AckOutcome()
     o.add(AckOutcome(**{field: 7}))
     assert o.as_dict()[field] == 7 and sum(v for k, v in o.as_dict().items() if k != "errors") == 7
+
+
+def test_an_acknowledged_batch_says_where_its_time_went():
+    """Planned at 100.0; the first poll returned at 100.2, the slots reached their read tasks by
+    100.5 (the slower one converted for 40 ms), Spark committed at 101.0, the broker confirmed at
+    101.1: in flight 0.9 s, and the phases add up to it."""
+    b = BatchState(3, 2, None, planned_at=100.0)
+    b.acquired = {0: {"rows": 10, "acquired_at": 100.2, "reported_at": 100.4, "convert_ms": 25.0},
+                  1: {"rows": 12, "acquired_at": 100.3, "reported_at": 100.5, "convert_ms": 40.0},
+                  2: {"rows": 0, "acquired_at": 100.1, "reported_at": 100.1}}
+    assert b.phases_ms() is None and "phasesMs" not in b.summary(), "not before the acknowledgement"
+    b.committed_at, b.acked_at = 101.0, 101.1
+    p = b.summary()["phasesMs"]
+    assert p == {"poll": 200.0, "toRead": 300.0, "convert": 40.0, "spark": 500.0, "ack": 100.0}
+    assert p["toRead"] + p["spark"] + p["ack"] == b.summary()["holdMs"]

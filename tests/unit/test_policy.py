@@ -10,7 +10,9 @@ from spark_share.driver.policy import (
     AVAILABLE_NOW_UNANSWERED_S,
     DEFAULT_LOCK_MS,
     GROW_AFTER_BATCHES,
+    PARALLELISM_ENV,
     BatchPolicy,
+    default_slots,
 )
 from spark_share.errors import SourceError
 
@@ -272,3 +274,38 @@ def test_records_a_session_carries_keep_batches_running_until_handed_out():
     assert q.should_run(batch(1, [], slots=1), hw_version=0, now=1.0) and not q.idle
     q.forget_agent("a")
     assert not q.should_run(batch(2, [], slots=1), hw_version=0, now=2.0)
+
+
+@pytest.mark.parametrize("partitions, parallelism, slots", [
+    (8, "2", 2),       # local[2]: 8 tasks would queue four deep behind 2 cores
+    (8, "16", 8),      # more cores than partitions: one consumer per partition, no idle ones
+    (3, None, 3),      # register() did not pass it (Connect without spark.default.parallelism)
+    (3, "", 3),
+    (3, "junk", 3),
+    (0, "4", 1),       # no partition yet (a topic being created): one slot, not none
+])
+def test_default_slots_are_the_topic_partitions_at_most_sparks_task_slots(partitions, parallelism, slots):
+    assert default_slots(partitions, parallelism) == slots
+
+
+def test_register_passes_sparks_parallelism_to_the_driver_side():
+    """Classic sessions pass it in the SparkContext's environment (which Spark gives the source's
+    runner); under Connect the subclass carries the server's spark.default.parallelism."""
+    from types import SimpleNamespace
+
+    import spark_share
+
+    env = {}
+    sc = SimpleNamespace(environment=env, master="local[3]", defaultParallelism=3,
+                         getConf=lambda: SimpleNamespace(get=lambda k: None))
+    spark_share._source_for(SimpleNamespace(sparkContext=sc))
+    assert env[PARALLELISM_ENV] == "3" and env["SPARK_SHARE_MASTER"] == "local[3]"
+
+
+def test_batches_prefetch_at_start_up_and_when_their_tasks_queue_for_sparks_slots():
+    p = BatchPolicy(num_slots=2, idle_probe_ms=10_000)
+    assert p.prefetches(2), "nothing acquired yet: the first polls overlap the group join"
+    p.acquired({"t": {"0": [[0, 9]]}}, 0)
+    assert not p.prefetches(2), "Spark's slots unknown: the read tasks poll"
+    p.task_slots = 2
+    assert not p.prefetches(2) and p.prefetches(8), "8 tasks on 2 slots: the waiting ones' polls run early"
