@@ -34,9 +34,9 @@ import tempfile
 import time
 import uuid
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchmark as bench  # noqa: E402  (puts the repository and tests/ on the path)
+
 from harness.kafka_cluster import ExternalCluster, parse_options  # noqa: E402
 from harness.kafka_kit import KitCluster  # noqa: E402
 
@@ -225,10 +225,10 @@ def main(argv=None) -> int:
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.abspath(__file__)),
                                                               os.environ.get("PYTHONPATH")]))
+    from bench_floor import FloorSource
     from pyspark.sql import SparkSession
 
     import spark_share
-    from bench_floor import FloorSource
 
     spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
              .config("spark.ui.showConsoleProgress", "false").getOrCreate())
