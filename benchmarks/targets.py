@@ -17,7 +17,9 @@ partitions, read by a fresh share group per run (share heartbeat 1 s, set per gr
 - start-up (first broker only): query start -> first rows against the group join (a share consumer's
   subscribe -> first records), with the group's heartbeat at 5 s (Kafka's default) and at 1 s;
 - lock safety (last broker only): a 2 s group lock and a sink that stalls its first two batches past
-  it: the batches that expired, the smaller batches after them, and how the size grows back.
+  it: the batches that expired, the smaller batches after them, and how the size grows back (keep it
+  on a big backlog: Kafka 4.2 hands records delivered repeatedly out one per fetch, and a backlog of
+  only those drains at about two records a batch; docs/performance.md).
 
 Prints the targets' table and writes results.json and targets.png (throughput against batch size,
 with the bounds) to ``--out``. Not part of the test run.
