@@ -177,6 +177,12 @@ def raw_loop(kafka, topic, consumers, n):
     return {**json.loads(out.stdout.strip().splitlines()[-1]), "process_seconds": time.perf_counter() - started}
 
 
+def spark_phases(q) -> list[dict]:
+    """Spark's durations of each batch of query ``q`` (ms), with its id and rows."""
+    return [dict(batch=p["batchId"], rows=p["numInputRows"], **{k: v for k, v in p["durationMs"].items()
+                                                                 if k != "getBatch"}) for p in q.recentProgress]
+
+
 def _batch_end(p) -> float:
     """Wall-clock time a progress event's batch ended."""
     from datetime import datetime
@@ -238,8 +244,7 @@ def share_run(spark, kafka, topic, slots, n, tmp, locks=None, group=None, sink=N
     busy = sum(p["durationMs"]["triggerExecution"] for p in prog) / 1000.0
     after_first = rows - (prog[0]["numInputRows"] if prog else 0)
     first = first or (t0, 0.0, {})
-    phases = [dict(batch=p["batchId"], rows=p["numInputRows"], **{k: v for k, v in p["durationMs"].items()
-                                                                    if k != "getBatch"}) for p in q.recentProgress]
+    phases = spark_phases(q)
     return {"seconds": wall, "busy_seconds": busy, "records": rows, "batches": len(prog), "cpu": cpu.seconds,
             "tracked": [tracked[k] for k in sorted(tracked)],
             "first_row_s": first_row_s, "end_after_last_s": end_after_last_s,
@@ -314,8 +319,7 @@ def floor_run(spark, batches, tasks, rows, tmp):
     records = sum(p["numInputRows"] for p in q.recentProgress)
     first = first or (t0, 0.0, {})
     steady = records - tasks * rows
-    phases = [dict(batch=p["batchId"], rows=p["numInputRows"], **{k: v for k, v in p["durationMs"].items()
-                                                                    if k != "getBatch"}) for p in q.recentProgress]
+    phases = spark_phases(q)
     return {"records": records, "rps": records / (end - t0), "steady_rps": steady / (end - first[0]),
             "phases": phases,
             "cpu_per_m": cpu.seconds / records * 1e6, "steady_cpu_per_m": (cpu.seconds - first[1]) / steady * 1e6,
