@@ -26,15 +26,16 @@ from .errors import (
     RuntimeDirError,
     SourceError,
     SparkShareError,
+    UnsupportedSparkError,
     VerdictError,
 )
 
 __version__ = "0.1.0"
 
-__all__ = ["register", "reject", "release", "status", "__version__", "SparkShareError", "OptionError",
+__all__ = ["register", "reject", "release", "status", "drain", "__version__", "SparkShareError", "OptionError",
            "ConfigError", "SourceError", "BatchRefused", "VerdictError", "DeadLetterError", "EmbeddedKafkaError",
            "AuthError", "RemoteError", "AgentError", "ArgumentError", "JobError", "PeerConnectionError", "ProtocolError",
-           "RuntimeDirError"]
+           "RuntimeDirError", "UnsupportedSparkError"]
 
 
 def register(spark) -> None:
@@ -59,6 +60,9 @@ def register(spark) -> None:
     ...       .option("subscribe", "orders")
     ...       .load())
     """
+    from . import spark_versions  # a clear error where PySpark is missing or older than 4.0
+
+    spark_versions.require()
     from .user.listener import install_listener
 
     spark.dataSource.register(_source_for(spark))
@@ -167,13 +171,52 @@ def release(rows) -> int:
     return _release(rows)
 
 
+def drain(writer):
+    """Start ``writer`` as a scheduled drain: it reads what the queue holds now, acknowledges it and
+    stops, on every supported Spark. Use it where you would write ``.trigger(availableNow=True)``.
+
+    Spark >= 4.2 runs ``Trigger.AvailableNow`` of a Python source to the end: there this is that
+    trigger. Spark 4.0 and 4.1 run it as one batch and end with records still queued (spark-share
+    refuses such a query); there the query runs with the default trigger until its source has read and
+    acknowledged what was queued when it started, and is then stopped. ``maxRecordsPerTrigger`` applies
+    on every version.
+
+    Parameters
+    ----------
+    writer : pyspark.sql.streaming.DataStreamWriter
+        ``df.writeStream...`` of a ``format("kafka-share")`` stream, ready to ``start()`` (sink,
+        ``checkpointLocation``, ``foreachBatch``); its trigger is set here.
+
+    Returns
+    -------
+    pyspark.sql.streaming.StreamingQuery
+        The started query: ``awaitTermination()`` returns once the drain is done, and raises if the
+        query failed.
+
+    Raises
+    ------
+    UnsupportedSparkError
+        Under Spark Connect on Spark 4.0/4.1 with the Connect server on another host.
+
+    Examples
+    --------
+    >>> q = spark_share.drain(stream.writeStream.foreachBatch(process)  # doctest: +SKIP
+    ...                       .option("checkpointLocation", "/chk/orders"))
+    >>> q.awaitTermination()  # doctest: +SKIP
+    """
+    from .user.drain import drain as _drain
+
+    return _drain(writer)
+
+
 def status(query) -> dict:
-    """The driver-side view of a running kafka-share query.
+    """The driver-side view of a kafka-share query: while it runs, or its final counts once it ended.
 
     Parameters
     ----------
     query : pyspark.sql.streaming.StreamingQuery
-        A running query that reads ``kafka-share``, started in this process.
+        A query that reads ``kafka-share``, started in this process (running, or ended: then the
+        counts its tracker left when the run stopped, with ``"view": "final"``).
 
     Returns
     -------

@@ -32,6 +32,10 @@ class SourceError(SparkShareError, RuntimeError):
     options, checkpoint), or it is stopping."""
 
 
+class UnsupportedSparkError(SparkShareError, ImportError):
+    """PySpark is missing or older than spark-share supports, or a feature needs a newer Spark."""
+
+
 class BatchRefused(SparkShareError, RuntimeError):
     """A read of a batch that cannot be served with its original rows, so it acquires nothing."""
 

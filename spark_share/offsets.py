@@ -1,9 +1,16 @@
-"""The source's offset: ``{"v": 1, "batch": N}``, the id of the last planned batch and nothing else.
+"""The source's offset: ``{"v": 1, "batch": N, "run": R}``, the id of the last planned batch and the
+query run (its tracker) that planned it, and nothing else.
 
-Owns: the offset format Spark writes to the checkpoint's offset log. Must never: carry an address,
-a secret or Kafka offsets (a share group has no offsets to resume from; the broker tracks delivery).
+Owns: the offset format Spark writes to the checkpoint's offset log and shows in every progress report.
+The run lets the commit listener find the tracker of a batch from the progress alone, on every Spark
+(Spark < 4.2 has no ``reportLatestOffset``, and under Spark Connect nothing else names the query's
+tracker); offsets of older versions, without it, are read as they are. Must never: carry an address, a
+secret or Kafka offsets (a share group has no offsets to resume from; the broker tracks delivery).
 """
 from __future__ import annotations
+
+import ast
+import json
 
 from .errors import SourceError
 
@@ -11,8 +18,8 @@ OFFSET_VERSION = 1
 INITIAL = -1  # the offset before the first batch
 
 
-def offset_of(batch: int) -> dict:
-    return {"v": OFFSET_VERSION, "batch": batch}
+def offset_of(batch: int, run: str | None = None) -> dict:
+    return {"v": OFFSET_VERSION, "batch": batch} if run is None else {"v": OFFSET_VERSION, "batch": batch, "run": run}
 
 
 def batch_of(offset: dict) -> int:
@@ -21,3 +28,29 @@ def batch_of(offset: dict) -> int:
         raise SourceError(f"unrecognised kafka-share offset {offset!r}: this checkpoint was written by another "
                          "source or version; start the query with a new checkpointLocation")
     return int(offset["batch"])
+
+
+def from_progress(text) -> object:
+    """An offset (or the source's report) as a progress report carries it: JSON text, or on Spark < 4.2
+    under Spark Connect the text of a Python dict (its listener events show ``str()`` of the parsed
+    JSON). Literals only: never anything that could run code. None when it is neither."""
+    if not isinstance(text, str) or len(text) > 100_000:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return None
+
+
+def reported(text: str | None) -> tuple[int, str | None] | None:
+    """(batch id, run) of an offset as a progress report shows it, None if it is not ours."""
+    offset = from_progress(text)
+    if not isinstance(offset, dict) or offset.get("v") != OFFSET_VERSION or not isinstance(offset.get("batch"), int):
+        return None
+    if not set(offset) <= {"v", "batch", "run"}:
+        return None
+    return offset["batch"], offset.get("run")

@@ -172,7 +172,7 @@ NOT_FOR_SHARE_GROUPS = {
     "assign": "share groups do not assign partitions to consumers; use 'subscribe' and let the broker share partitions",
     "startingOffsets": "where a new share group starts is the group config share.auto.offset.reset, set on the broker "
                        "(kafka-configs.sh --alter --entity-type groups --entity-name <group> --add-config share.auto.offset.reset=earliest)",
-    "endingOffsets": "a share group has no ending offsets; use trigger(availableNow=True) to drain the queue and stop",
+    "endingOffsets": "a share group has no ending offsets; start the query with spark_share.drain(writer) (Trigger.AvailableNow) to drain the queue and stop",
     "startingTimestamp": "share groups start at share.auto.offset.reset (a broker-side group config)",
     "startingOffsetsByTimestamp": "share groups start at share.auto.offset.reset (a broker-side group config)",
     "maxOffsetsPerTrigger": "use 'maxRecordsPerTrigger' (share groups have no offset ranges)",

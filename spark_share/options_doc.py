@@ -31,10 +31,8 @@ orders = (spark.readStream.format("kafka-share")
           .option("kafka.max.poll.records", "2000")
           .load())
 
-q = (orders.writeStream.format("parquet").option("path", "/tmp/orders")
-     .option("checkpointLocation", "/tmp/orders-ckpt")
-     .trigger(availableNow=True)
-     .start())
+q = spark_share.drain(orders.writeStream.format("parquet").option("path", "/tmp/orders")  # drain, then stop
+                      .option("checkpointLocation", "/tmp/orders-ckpt"))
 q.awaitTermination()
 print(spark.read.parquet("/tmp/orders").count(), "records written")
 '''

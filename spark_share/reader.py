@@ -19,13 +19,13 @@ import threading
 from collections.abc import Iterator
 
 from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
-from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows, SupportsTriggerAvailableNow
 
 from . import runtime
 from .errors import SourceError
 from .executor import read_task
 from .offsets import INITIAL, batch_of, offset_of
 from .options import ShareSourceOptions, scrub
+from .spark_versions import ReadAllAvailable, ReadMaxRows, SupportsTriggerAvailableNow, max_rows
 
 log = logging.getLogger("spark_share.reader")
 
@@ -67,6 +67,10 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.opts = opts
         self._tracker = None
         self._stopped = False
+        # The end of the last batch Spark planned (partitions()): where the next batch starts when
+        # Spark does not say (latestOffset() of Spark < 4.2). A restart first calls partitions(end, end)
+        # with the last offset of the checkpoint; a fresh start calls latestOffset() before anything.
+        self._planned_end: dict | None = None
 
     # driver side (the runner process) ------------------------------------------------------
     def _t(self):
@@ -99,16 +103,20 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def prepareForTriggerAvailableNow(self) -> None:
         self._t().prepare_available_now()
 
-    def latestOffset(self, start: dict, limit=None) -> dict:
+    def latestOffset(self, start: dict | None = None, limit=None) -> dict:
         t = self._t()
+        if start is None:  # Spark < 4.2 passes neither: the end of the last planned batch, and our own limit
+            start = self._planned_end if self._planned_end is not None else offset_of(INITIAL)
+            limit = self.getDefaultReadLimit()
         last = batch_of(start)
-        # Spark calls latestOffset(start) only once the batch ending at start is in the commit log.
+        # Spark calls latestOffset only once every batch it planned is in the commit log (also the calls
+        # of Spark's AvailableNow wrapper and its progress report): the batch ending at start is.
         # Its acknowledgements are queued on the consumers before this returns; the broker's answers
         # are collected while Spark writes the next offsets and plans.
         t.batch_committed(last, wait=False)
-        if not t.should_run(last) or t.plan(last + 1, limit.max_rows if isinstance(limit, ReadMaxRows) else None) is None:
+        if not t.should_run(last) or t.plan(last + 1, max_rows(limit)) is None:
             return start
-        return offset_of(last + 1)
+        return offset_of(last + 1, t.tracker_id)
 
     def reportLatestOffset(self):
         return self._tracker.progress() if self._tracker is not None else None
@@ -116,6 +124,7 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def partitions(self, start: dict, end: dict):
         t = self._t()
         first, last = batch_of(start), batch_of(end)
+        self._planned_end = end
         if last <= first:
             return []
         b = t.batch_to_read(last)

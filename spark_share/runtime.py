@@ -104,6 +104,12 @@ def run_registry_path(tracker_id: str) -> str:
     return os.path.join(runtime_dir(), f"run-{tracker_id}.json")
 
 
+def final_counts_path(query_id: str) -> str:
+    """Where a query run's tracker leaves its final counts when it stops (``status()`` of an ended query:
+    on Spark < 4.2 no progress report carries them)."""
+    return os.path.join(runtime_dir(), f"final-{query_id}.json")
+
+
 def checkpoint_note_path(query_id: str) -> str:
     """Where the user's process notes a query's checkpoint location (written when the query starts)."""
     return os.path.join(runtime_dir(), f"checkpoint-{query_id}.json")
@@ -168,7 +174,8 @@ def live_run_entries() -> list[dict]:
 # --- housekeeping and logs ----------------------------------------------------------------------
 def prune(max_age_s: float = LOG_RETENTION_S, orphan_age_s: float = ORPHAN_AGE_S) -> list[str]:
     """Remove what no live process of ours owns (run when a tracker starts): logs untouched for a
-    week, registry entries of trackers that are gone, checkpoint notes of queries long gone, and the
+    week, registry entries of trackers that are gone, checkpoint notes and final counts of queries long
+    gone, and the
     socket and lock files of killed agents (at once when their tracker is gone too, else an hour on:
     a live tracker may start a new agent), the life locks of killed trackers, and TLS key files
     left by a process killed while loading one (``transport.tls``). Returns the names
@@ -189,8 +196,8 @@ def prune(max_age_s: float = LOG_RETENTION_S, orphan_age_s: float = ORPHAN_AGE_S
             gone = live_registry_entry(name[len("query-"):-len(".json")]) is None
         elif name.startswith("run-") and name.endswith(".json"):
             gone = not _tracker_alive(name[len("run-"):-len(".json")])
-        elif name.startswith("checkpoint-") and name.endswith(".json"):
-            query_id = name[len("checkpoint-"):-len(".json")]
+        elif (name.startswith("checkpoint-") or name.startswith("final-")) and name.endswith(".json"):
+            query_id = name[name.index("-") + 1:-len(".json")]
             gone = age > max_age_s and live_registry_entry(query_id) is None
         elif name.startswith("agent-") and name.endswith(".spawn"):
             if age > orphan_age_s or not _tracker_alive(name[len("agent-"):-len(".spawn")]):

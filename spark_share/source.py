@@ -32,13 +32,13 @@ class KafkaShareDataSource(DataSource):
     --------
     >>> import spark_share
     >>> spark_share.register(spark)  # doctest: +SKIP
-    >>> q = (spark.readStream.format("kafka-share")  # doctest: +SKIP
+    >>> q = spark_share.drain(spark.readStream.format("kafka-share")  # doctest: +SKIP
     ...      .option("kafka.bootstrap.servers", "localhost:9092")
     ...      .option("kafka.group.id", "orders-app")
     ...      .option("subscribe", "orders")
     ...      .load()
     ...      .writeStream.format("parquet").option("path", "/data/orders")
-    ...      .option("checkpointLocation", "/chk/orders").trigger(availableNow=True).start())
+    ...      .option("checkpointLocation", "/chk/orders"))
     """
 
     # Where the driver side binds (SPARK_SHARE_MASTER, SPARK_SHARE_DRIVER_HOST): a classic session

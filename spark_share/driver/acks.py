@@ -19,9 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
+from ..acknowledgement import ACCEPT, REJECT, RELEASE, AckOutcome
 from ..options import ShareSourceOptions, scrub
 from ..transport.protocol import Ack, AckResult, DeadLetter, call, call_async
-from .batches import ACCEPT, QUEUED, REJECT, RELEASE, AckOutcome, BatchState
+from .batches import QUEUED, BatchState
 from .policy import BatchPolicy
 
 log = logging.getLogger("spark_share.driver.tracker")

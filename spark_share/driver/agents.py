@@ -54,7 +54,7 @@ class AgentRoster:
         conn.info["host"] = m.host
         log.info("agent %s joined (pid %s on %s)", m.agent_id, m.pid, m.host)
         if latest is not None and latest.state == PLANNED and latest.slots and not latest.claims:
-            self.prefetch(latest)  # it polls once its sessions have joined
+            latest.prefetched = self.prefetch(latest) or latest.prefetched  # it polls once its sessions have joined
         limit = self.policy.current_limit(latest)
         # The sessions an agent joins with. One host reads every slot. On a cluster each host's pool
         # grows with the slots its tasks read in a batch (a session serves one slot per batch), so
@@ -77,18 +77,21 @@ class AgentRoster:
         if not stopping:
             log.warning("agent %s disconnected; records it held go back to the share group", agent_id)
 
-    def prefetch(self, b: BatchState) -> None:
+    def prefetch(self, b: BatchState) -> bool:
         """On one host, ask its agent to start every poll of ``b`` now (``Tracker.plan`` says when:
         ``BatchPolicy.prefetches``). A batch planned before the agent joined is sent when it joins.
         Nothing on a cluster: a Python source has no preferred locations, and records polled on a
-        host where no task of the batch lands would be held until a later batch reads there."""
+        host where no task of the batch lands would be held until a later batch reads there. True if
+        the polls were asked for."""
         if not one_host():
-            return
+            return False
         with self.lock:
             conns = list(self.conns.values())
-        if len(conns) == 1:  # one agent per query run on a host
-            call_async(conns[0], Prefetch(b.batch, b.slots, self.policy.slot_budgets(b)[0], self.opts.poll_timeout_ms,
-                                          self.policy.carry_ms))
+        if len(conns) != 1:  # one agent per query run on a host
+            return False
+        call_async(conns[0], Prefetch(b.batch, b.slots, self.policy.slot_budgets(b)[0], self.opts.poll_timeout_ms,
+                                      self.policy.carry_ms))
+        return True
 
     def relay(self, m: Fetch, owner: str | None) -> tuple[dict, bytes]:
         """A re-read of a slot another host's agent holds, passed through here and let go once sent on."""

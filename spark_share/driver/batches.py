@@ -1,9 +1,9 @@
 """What the driver knows of one batch: its slots, who acquired which records, the verdicts on them,
 and how its acknowledgement went.
 
-Owns: ``BatchState`` and its life cycle (planned -> acking -> queued -> acked | released, or void),
-the acknowledgement kinds (ACCEPT, RELEASE, REJECT) and ``AckOutcome``, the broker's answer counted
-by kind. Must never: talk to a socket or to Kafka (it is plain data, shared by the tracker, the
+Owns: ``BatchState`` and its life cycle (planned -> acking -> queued -> acked | released, or void).
+The acknowledgement kinds and ``AckOutcome`` live below driver/ and executor/ (``acknowledgement``).
+Must never: talk to a socket or to Kafka (it is plain data, shared by the tracker, the
 policy and the agents' reports).
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-ACCEPT, RELEASE, REJECT = 1, 2, 3
+from ..acknowledgement import AckOutcome
 
 # planned: its read tasks may claim slots; acking: its acknowledgements are being sent; queued: they
 # are on the consumers, ahead of their next poll; acked / released: the broker answered. void: a
@@ -22,37 +22,14 @@ FINISHED = (ACKED, RELEASED, VOID)
 
 
 @dataclass
-class AckOutcome:
-    accepted: int = 0
-    released: int = 0
-    rejected: int = 0
-    expired: int = 0
-    failed: int = 0
-    errors: dict[str, int] = field(default_factory=dict)  # error name/code -> records
-
-    def add(self, other: AckOutcome) -> None:
-        for k in ("accepted", "released", "rejected", "expired", "failed"):
-            setattr(self, k, getattr(self, k) + getattr(other, k))
-        for k, v in other.errors.items():
-            self.errors[k] = self.errors.get(k, 0) + v
-
-    def as_dict(self) -> dict:
-        return {"accepted": self.accepted, "released": self.released, "rejected": self.rejected,
-                "expired": self.expired, "failed": self.failed, "errors": dict(self.errors)}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> AckOutcome:
-        return cls(**{k: d.get(k, 0) for k in ("accepted", "released", "rejected", "expired", "failed")},
-                   errors=dict(d.get("errors", {})))
-
-
-@dataclass
 class BatchState:
     batch: int
     slots: int
     max_records: int | None
     planned_at: float = field(default_factory=time.time)
     claims: dict[int, str] = field(default_factory=dict)         # slot -> agent id
+    granted: dict[int, int | None] = field(default_factory=dict)  # slot -> records its read may hand out
+    prefetched: bool = False                                  # its polls started at planning (static budgets)
     acquired: dict[int, dict] = field(default_factory=dict)      # slot -> {agent, session, rows, offsets, acquired_at}
     verdicts: dict[tuple[str, int, int], tuple[int, str | None]] = field(default_factory=dict)
     spark_batch: int | None = None                            # Spark's batch id, learnt from the read tasks

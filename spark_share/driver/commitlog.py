@@ -1,7 +1,7 @@
 """Spark's commit log of a query, as far as the driver side can read it.
 
-Owns: finding a query's checkpoint from the note the user's process writes when the query starts,
-and answering whether Spark committed one of its batch ids. A stop uses it: a batch Spark committed
+Owns: finding a query's checkpoint (and its trigger) from the note the user's process writes when the
+query starts, and answering whether Spark committed one of its batch ids. A stop uses it: a batch Spark committed
 a moment before (no signal reached the tracker yet) is ACCEPTed, not released.
 
 Must never: write to the checkpoint, or guess: a commit log it cannot read (a remote store) answers
@@ -28,20 +28,21 @@ def local_commit_dir(root: str) -> str | None:
 
 
 class CommitLog:
-    def __init__(self, directory: str | None):
+    def __init__(self, directory: str | None, trigger: str = ""):
         self.directory = directory  # None: not readable from here
+        self.trigger = trigger  # the query's trigger, as the JVM names its class ("" when not noted)
 
     @classmethod
     def of_query(cls, query_id: str) -> CommitLog | None:
         """The commit log of a query whose start the listener noted on this host, else None (not yet)."""
         note = runtime.read_json(runtime.checkpoint_note_path(query_id))
-        if not note or "root" not in note:
+        if not isinstance(note, dict) or not (note.get("root") or note.get("trigger")):
             return None
-        root = str(note["root"])
-        directory = local_commit_dir(root)
+        root = note.get("root")
+        directory = local_commit_dir(str(root)) if root else None
         log.info("query %s: commit log %s", query_id,
                  directory or f"not readable here ({root}): a stop releases batches nobody said were committed")
-        return cls(directory)
+        return cls(directory, str(note.get("trigger") or ""))
 
     def has(self, spark_batch: int | None) -> bool:
         """Did Spark commit its batch ``spark_batch``?"""

@@ -15,23 +15,10 @@ import threading
 import time
 from collections.abc import Container
 
+from ..acknowledgement import ACCEPT, REJECT, RELEASE, AckOutcome
 from ..errors import BatchRefused, VerdictError
 from ..transport.protocol import Acquired, Claim, Verdicts
-from .batches import (
-    ACCEPT,
-    ACKED,
-    ACKING,
-    FINISHED,
-    IN_FLIGHT,
-    PLANNED,
-    QUEUED,
-    REJECT,
-    RELEASE,
-    RELEASED,
-    VOID,
-    AckOutcome,
-    BatchState,
-)
+from .batches import ACKED, ACKING, FINISHED, IN_FLIGHT, PLANNED, QUEUED, RELEASED, VOID, BatchState
 from .policy import BatchPolicy
 
 log = logging.getLogger("spark_share.driver.tracker")
@@ -109,7 +96,12 @@ class BatchLedger:
                 owner = None  # claimed but never acquired: no row of it reached Spark
             if owner is None:
                 b.claims[m.slot] = owner = agent_id
+                b.granted[m.slot] = self.policy.grant(b, m.slot, m.carrying, m.carried_ms)
             return owner
+
+    def granted(self, batch: int, slot: int) -> int | None:
+        with self.lock:
+            return self.batches[batch].granted.get(slot)
 
     def _refusal(self, batch: int, b: BatchState | None) -> str:
         """Why a read of ``batch`` may acquire nothing. Call with ``lock`` held."""

@@ -91,6 +91,8 @@ class BatchPolicy:
         # Set once an AvailableNow run has seen everything: one last batch without tasks acknowledges
         # the previous one and reports the totals in its progress, without an empty poll.
         self.closing = False
+        # An AvailableNow run (or a drain) has decided that it is over: it plans no batch any more.
+        self.finished = False
         # Records per slot that fit in the record lock; lowered whenever a batch's locks expire.
         self.lock_safe_records: int | None = None
         self.batches_within_lock = 0  # in a row, since the last change of lock_safe_records
@@ -122,7 +124,9 @@ class BatchPolicy:
         """Is a batch after ``last`` (None: not known to this run) worth running? ``hw_version`` counts
         the changes of the high watermarks; ``now`` is ``time.monotonic()``."""
         if self.available_now_target is not None:
-            return self._available_now_goes_on(last, now)
+            goes_on = self._available_now_goes_on(last, now)
+            self.finished = self.finished or (self.planned_any and not goes_on)
+            return goes_on
         if not self.planned_any:
             return True
         if self.carrying or (last is not None and (last.rows or last.outcome.released or last.outcome.failed
@@ -218,6 +222,31 @@ class BatchPolicy:
         if self.lock_safe_records is not None:
             per_slot = self.lock_safe_records if per_slot is None else min(per_slot, self.lock_safe_records)
         return [per_slot] * b.slots
+
+    def grant(self, b: BatchState, slot: int, carrying: int, carried_ms: float = 0.0) -> int | None:
+        """How many records the first read of ``slot`` may hand out (None: no cap).
+
+        Kafka hands a fetch whole producer batches, so a session may hold far more than a batch may
+        take; what it cannot hand out before the records grow old would be released, and each release
+        counts as a delivery (repeated, records reach Kafka's delivery throttle, then come one per
+        fetch; at the delivery limit the broker archives them unread). So, under a batch cap
+        (``maxRecordsPerTrigger``), the cap is shared out as reads claim their slots, a session that
+        carries records first: its read may take what is left of the cap (at most the lock-safe
+        records per consumer), and a slot claimed once the cap is spent polls nothing, so nothing new
+        is acquired while carried records wait. Carried records older than half the carry limit are
+        handed out in full, past the cap: a batch larger than asked for rather than a delivery spent
+        for nothing (docs/guarantees.md). A batch polled ahead (``prefetches``) keeps the even shares
+        its polls started with."""
+        share = self.slot_budgets(b)[0] if b.slots else None
+        if carrying and carried_ms >= self.carry_ms / 2:  # (but no more than a consumer's batch fits in the lock)
+            return max(share or 0, carrying if self.lock_safe_records is None else min(carrying, self.lock_safe_records))
+        if b.max_records is None or b.prefetched:
+            return share
+        left = b.max_records - sum(v or 0 for v in b.granted.values())
+        want = share or 0
+        if carrying > want:
+            want = carrying if self.lock_safe_records is None else min(carrying, max(want, self.lock_safe_records))
+        return max(0, min(want, left))
 
     # --- what the batches report -------------------------------------------------------------------
     @property

@@ -26,15 +26,28 @@ import time
 import uuid
 
 from .. import runtime
+from ..acknowledgement import ACCEPT, RELEASE
+from ..deadletter_target import check_target
 from ..errors import SourceError
-from ..executor.deadletter import check_target
 from ..options import ShareSourceOptions, scrub
+from ..spark_versions import available_now_refusal
 from ..transport import wire
-from ..transport.protocol import TO_TRACKER, Acquired, Claim, Committed, Fetch, Hello, Status, Verdicts, dispatcher
+from ..transport.protocol import (
+    TO_TRACKER,
+    Acquired,
+    Claim,
+    Committed,
+    Drain,
+    Fetch,
+    Hello,
+    Status,
+    Verdicts,
+    dispatcher,
+)
 from . import backlog
 from .acks import AGENT_LOST, Acknowledger
 from .agents import AgentRoster, agent_of, one_host
-from .batches import ACCEPT, ACKING, RELEASE, BatchState
+from .batches import ACKING, FINISHED, BatchState
 from .commitlog import CommitLog
 from .ledger import BatchLedger
 from .policy import DEFAULT_RECORD_LOCKS, PARALLELISM_ENV, BatchPolicy, default_slots, task_slots
@@ -73,6 +86,9 @@ class Tracker:
         self.secret = wire.new_secret()
         self._secrets = opts.secret_values()
         self.failure: str | None = None  # why the query must stop (set once, raised by latestOffset)
+        # Why this query's reads are refused before they acquire anything (a trigger this Spark cannot run).
+        self.refusal: str | None = None
+        self._drain_decided = -2  # the batch after which a drain last decided whether it goes on
         self.commit_log: CommitLog | None = None  # Spark's commit log of the query, once the listener noted it
         # Created before the watcher, whose thread asks it whether the stream is idle; the slots are
         # known once the watcher has listed the partitions.
@@ -101,6 +117,9 @@ class Tracker:
             runtime.release_tracker_lock(self.tracker_id, self._alive_fd)
             raise
         self.address = self.server.address
+        # What was queued when this run started: what spark_share.drain() drains where Spark has no
+        # Trigger.AvailableNow for a Python source (< 4.2).
+        self.start_high = dict(self.metadata.high)
         # Last, once nothing here can fail: foreachBatch under Spark Connect and the listener on the
         # server find the tracker by its id (its query id is not known yet).
         self.registration = Registration(self.tracker_id, {"host": self.address[0], "port": self.address[1],
@@ -165,8 +184,12 @@ class Tracker:
     def _on_claim(self, conn: wire.RpcConnection, m: Claim) -> dict:
         agent_id = agent_of(conn)
         self._serve_query(m.query_id)
+        if self.refusal:
+            raise SourceError(self.refusal)
         owner = self.ledger.claim(m, agent_id, self.agents)
-        return {"owner": None} if owner is None else {"owner": owner, "carry_ms": self.policy.carry_ms}
+        if owner is None:
+            return {"owner": None}
+        return {"owner": owner, "carry_ms": self.policy.carry_ms, "max_records": self.ledger.granted(m.batch, m.slot)}
 
     def _on_acquired(self, conn: wire.RpcConnection, m: Acquired) -> dict:
         self.ledger.acquired(m, agent_of(conn))
@@ -191,6 +214,27 @@ class Tracker:
     def _on_status(self, conn: wire.RpcConnection, m: Status) -> dict:
         return self.status()
 
+    def _on_drain(self, conn: wire.RpcConnection, m: Drain) -> dict:
+        self._serve_query(m.query_id)
+        with self.ledger.lock:
+            if self.policy.available_now_target is None:
+                # From now on the batches run as under Trigger.AvailableNow, towards what was queued
+                # when this run started (the batches so far count: their records are seen).
+                self.policy.start_available_now(self.start_high)
+                log.info("spark-share tracker %s drains what was queued when it started, then plans no batch",
+                         self.tracker_id)
+            settled = all(b.state in FINISHED for b in self.batches.values())
+            latest = self.batches[max(self.batches)] if self.batches else None
+            if settled and latest is not None and latest.batch != self._drain_decided and not self.policy.finished:
+                # Every batch is acknowledged: decide now, once per batch, whether the drain goes on,
+                # rather than at the next latestOffset (the listener asks again only at the next event).
+                self._drain_decided = latest.batch
+                self.policy.should_run(latest, self.metadata.version, time.monotonic())
+            # Done once the run plans nothing more (or only its last batch, which reads nothing) and
+            # every batch is acknowledged.
+            drained = settled and (self.policy.finished or self.policy.closing)
+        return {"drained": drained}
+
     @property
     def query_id(self) -> str | None:
         return self.registration.query_id
@@ -202,6 +246,10 @@ class Tracker:
     def _learn_commit_log(self) -> None:
         if self.commit_log is None and self.query_id is not None:
             self.commit_log = CommitLog.of_query(self.query_id)
+            if self.commit_log is not None and not self.refusal:
+                self.refusal = available_now_refusal(self.commit_log.trigger)
+                if self.refusal:
+                    log.error("spark-share: %s", self.refusal)
 
     # planning -----------------------------------------------------------------------------
     def prepare_available_now(self) -> None:
@@ -222,7 +270,7 @@ class Tracker:
         its polls; None once the query is stopping."""
         b, new = self.ledger.plan(batch, max_records, self.metadata.version)
         if new and b is not None and b.slots and self.policy.prefetches(b.slots):
-            self.roster.prefetch(b)
+            b.prefetched = self.roster.prefetch(b)
         return b
 
     def batch_to_read(self, batch: int) -> BatchState | None:
@@ -316,8 +364,12 @@ class Tracker:
             self.roster.stop_all(SHUTDOWN_WAIT_S)
             self.server.close()
             self.metadata.close()
+            final = self.progress()
+            if self.query_id is not None:  # before the registry entry goes: status() waits for one or the other
+                runtime.write_private_json(runtime.final_counts_path(self.query_id),
+                                           {**final, "query": self.query_id, "view": "final"})
             self.registration.remove()
-            log.info("spark-share tracker %s stopped: %s", self.tracker_id, json.dumps(self.progress()))
+            log.info("spark-share tracker %s stopped: %s", self.tracker_id, json.dumps(final))
             runtime.stop_logging_to(self._log_file)
             runtime.release_tracker_lock(self.tracker_id, self._alive_fd)
         finally:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import runtime
-from ..driver.batches import ACCEPT
+from ..acknowledgement import ACCEPT
 from ..errors import BatchRefused, PeerConnectionError
 from ..options import sized
 from ..transport import wire
@@ -156,7 +156,9 @@ class Agent:
                     continue
             # the other poll failed; try ourselves
         try:
-            claim, _ = call(self.tracker, Claim(batch, slot, query_id, spark_batch, connect_session), timeout=60)
+            carrying, carried_ms = self.pool.carrying_for(batch)
+            claim, _ = call(self.tracker, Claim(batch, slot, query_id, spark_batch, connect_session,
+                                                carrying=carrying, carried_ms=round(carried_ms)), timeout=60)
             if claim["owner"] is None:  # acquired by an agent that is gone: no new records under this id
                 return {"rows": 0, "cached": False, "lost": True}, records.to_ipc(
                     records.empty_batch(self.config["include_headers"]))
@@ -164,10 +166,13 @@ class Agent:
                 # Another host acquired this (batch, slot): relay its cached rows through the tracker.
                 rep, ipc = call(self.tracker, Fetch(batch, slot), timeout=120)
                 return {"rows": rep.get("rows", 0), "cached": True, "relayed": True}, ipc
+            granted = claim.get("max_records", max_records)
+            if granted == 0:  # the batch's cap went to reads whose sessions carry records: acquire nothing
+                return self._read_nothing(batch, slot, spark_batch, query_id, key)
             session, polled = self.pool.take(batch, max_records)
             try:
                 if polled is None:
-                    polled = session.poll(batch, slot, max_records, poll_budget(session, poll_timeout_ms),
+                    polled = session.poll(batch, slot, granted, poll_budget(session, poll_timeout_ms),
                                           claim.get("carry_ms"))
                 rb, holding = polled.result()
                 holding.batch, holding.slot = batch, slot
@@ -205,6 +210,14 @@ class Agent:
                 ev = self._inflight.pop(key, None)
             if ev is not None:
                 ev.set()
+
+    def _read_nothing(self, batch: int, slot: int, spark_batch, query_id, key) -> tuple[dict, bytes]:
+        """A slot granted no records: it reads nothing, and the tracker knows so (empty, not timed out)."""
+        call(self.tracker, Acquired(batch, slot, rows=0, spark_batch=spark_batch, members=len(self.pool)), timeout=60)
+        ipc = records.to_ipc(records.empty_batch(self.config["include_headers"]))
+        with self._lock:
+            self._cache[key] = Cached(batch, slot, None, ipc, 0, 0, query_id=query_id)
+        return {"rows": 0, "cached": False}, ipc
 
     def _visible(self, rb):
         """What Spark sees of a poll: without records past maxDeliveryCount (reported as poison,

@@ -2,8 +2,7 @@
 
 Owns: the two targets (a Kafka topic, written with an idempotent producer and flushed; a
 Parquet table path, one file per batch and slot) and the fields added to each record (reason,
-source coordinates, delivery count, query id, batch id), and the check when a query starts that its
-target exists and can be written. Used by the agent, which holds the original records, when the
+source coordinates, delivery count, query id, batch id). Used by the agent, which holds the original records, when the
 tracker acknowledges a batch that has rejects.
 
 Must never: report success before the records are durable at the target (the producer is
@@ -11,53 +10,15 @@ flushed, the file closed), or drop a field of the original record.
 """
 from __future__ import annotations
 
-import os
 import time
-import uuid
 
 import pyarrow as pa
 
-from ..errors import DeadLetterError, SourceError
+from ..deadletter_target import filesystem
+from ..errors import DeadLetterError
 
 HEADER_PREFIX = "spark-share."
 
-
-
-def check_target(opts, metadata_client) -> None:
-    """Fail fast, naming the option, when the dead-letter target is missing or cannot be written."""
-    if opts.dead_letter_topic:
-        md = metadata_client.list_topics(opts.dead_letter_topic, timeout=30)
-        t = md.topics.get(opts.dead_letter_topic)
-        if t is None or t.error is not None:
-            raise SourceError(f"option 'deadLetterTopic' = {opts.dead_letter_topic!r}: the topic does not exist on "
-                              f"{opts.bootstrap_servers!r}; create it first (rejected records are written there)")
-        # Whether this client may write there shows at the first reject: a refused write fails the
-        # query, naming the option, and acknowledges nothing of its batch.
-    if opts.dead_letter_path:
-        check_path(opts.dead_letter_path)
-
-
-def check_path(path: str) -> None:
-    """Fail fast, naming the option, when the dead-letter path cannot be written."""
-    fs, base = _filesystem(path)
-    probe = f"{base.rstrip('/')}/.spark-share-probe-{uuid.uuid4().hex[:8]}"
-    try:
-        fs.create_dir(base, recursive=True)
-        with fs.open_output_stream(probe) as f:
-            f.write(b"ok")
-        fs.delete_file(probe)
-    except Exception as e:
-        raise DeadLetterError(f"option 'deadLetterPath' = {path!r} cannot be written ({type(e).__name__}: {e}); "
-                              "give a directory this job can write, reachable from every executor") from None
-
-
-def _filesystem(path: str):
-    from pyarrow import fs
-
-    if "://" in path and not path.startswith("file://"):
-        return fs.FileSystem.from_uri(path)
-    local = path[len("file://"):] if path.startswith("file://") else path
-    return fs.LocalFileSystem(), os.path.abspath(local)
 
 
 def rejected_table(batch: pa.RecordBatch, wanted: dict[tuple[str, int, int], str | None],
@@ -111,7 +72,7 @@ class DeadLetterWriter:
         import pyarrow.parquet as pq
 
         assert self.path is not None
-        fs, base = _filesystem(self.path)
+        fs, base = filesystem(self.path)
         d = f"{base.rstrip('/')}/batchId={batch_id}"
         fs.create_dir(d, recursive=True)
         tmp = f"{d}/.{name}.parquet.tmp"

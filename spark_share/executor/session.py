@@ -22,14 +22,13 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
+from ..acknowledgement import ACCEPT, RELEASE, AckOutcome
 from ..broker_errors import FailureWatch
-from ..driver.batches import ACCEPT, RELEASE, AckOutcome
 from ..errors import AgentError, SourceError
 from . import records
-from .session_acks import acknowledge_held, error_code
+from .session_acks import Holding, acknowledge_held, error_code
 from .session_stats import STATS_INTERVAL_MS, FetchStats
 
 log = logging.getLogger("spark_share.executor.session")
@@ -59,19 +58,6 @@ IDLE_SERVE_S = 1.0
 # heartbeat (5 s by default) of each other apart at most.
 JOIN_WAIT_S = 20.0
 JOIN_GRACE_S = 8.0
-
-
-@dataclass
-class Holding:
-    batch: int
-    slot: int
-    acquired: records.Acquired
-    rows: int
-    acquired_at: float  # time.time() of the poll's return; the broker's lock clock started earlier
-    # Empty because the poll ran out of time, not because a fetch came back without records: a slow
-    # broker (a first fetch behind a big backlog, an assignment still to come), not an empty queue.
-    timed_out: bool = False
-    convert_s: float = 0.0  # the poll's messages -> Arrow
 
 
 class ShareSession:
@@ -123,6 +109,11 @@ class ShareSession:
     def carrying(self) -> int:
         """Records acquired beyond a batch's size that this session's next poll returns."""
         return len(self._carried)
+
+    @property
+    def carried_ms(self) -> float:
+        """How long ago the records it carries were acquired (0 when it carries none)."""
+        return (time.time() - self._carried_at) * 1000 if self._carried else 0.0
 
     @property
     def busy(self) -> bool:

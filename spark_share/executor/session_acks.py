@@ -1,7 +1,8 @@
 """Acknowledging what one poll of a share consumer acquired: each record once, with its verdict, then
 one commit; the broker's answer counted by kind.
 
-Owns: ``acknowledge_held`` (runs on the session's thread: the client is not thread-safe), the error
+Owns: ``Holding`` (one poll's records, as a session holds them until they are acknowledged),
+``acknowledge_held`` (runs on the session's thread: the client is not thread-safe), the error
 codes that matter (a lock that expired is counted ``expired``, anything else ``failed``), and naming
 a client error for counts and logs (``error_code``).
 
@@ -14,15 +15,27 @@ import logging
 import operator
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from itertools import repeat
-from typing import TYPE_CHECKING
 
-from ..driver.batches import ACCEPT, REJECT, RELEASE, AckOutcome
-
-if TYPE_CHECKING:
-    from .session import Holding
+from ..acknowledgement import ACCEPT, REJECT, RELEASE, AckOutcome
+from . import records
 
 log = logging.getLogger("spark_share.executor.session")
+
+@dataclass
+class Holding:
+    batch: int
+    slot: int
+    acquired: records.Acquired
+    rows: int
+    acquired_at: float  # time.time() of the poll's return; the broker's lock clock started earlier
+    # Empty because the poll ran out of time, not because a fetch came back without records: a slow
+    # broker (a first fetch behind a big backlog, an assignment still to come), not an empty queue.
+    timed_out: bool = False
+    convert_s: float = 0.0  # the poll's messages -> Arrow
+
+
 
 ERR_INVALID_RECORD_STATE = 121  # the lock expired (or the record is no longer acquired by us)
 

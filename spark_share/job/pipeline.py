@@ -183,19 +183,21 @@ def run(spark, cfg: JobConfig, quiet: bool = False) -> Summary:
             print(summary.line(batch_id), flush=True)
 
     w = stream.writeStream.foreachBatch(process).option("checkpointLocation", cfg.checkpoint_path)
-    if cfg.trigger == "availableNow":
-        w = w.trigger(availableNow=True)
-    else:
-        w = w.trigger(processingTime=cfg.trigger.split(":", 1)[1])
+
+    def start():
+        if cfg.trigger == "availableNow":
+            return spark_share.drain(w)  # Trigger.AvailableNow, or its equivalent where Spark lacks it (< 4.2)
+        return w.trigger(processingTime=cfg.trigger.split(":", 1)[1]).start()
+
     if not is_connect(spark):
-        w.start().awaitTermination()
+        start().awaitTermination()
         summary.wall = time.time() - summary.started
         return summary
     # Under Spark Connect, process() runs in a Python process of the server's: its summary stays
     # there. The client counts from what it can see: the query's progress and the two tables.
     # (Not with a client-side listener: pyspark 4.3's listener bus dies on observed metrics.)
     before = _TableCounts.read(spark, cfg)
-    q = w.start()
+    q = start()
     rows_by_batch: dict[int, int] = {}
     while True:
         ended = q.awaitTermination(2)

@@ -45,14 +45,17 @@ class Hello(Message):
 
 @dataclass
 class Claim(Message):
-    """Which agent reads (batch, slot)? The reply's ``owner`` is the asking agent (it polls), another
-    one (it acquired the slot: relay its rows), or None (its agent is gone: read nothing)."""
+    """Which agent reads (batch, slot)? The reply's ``owner`` is the asking agent (it polls, handing out
+    at most the reply's ``max_records``), another one (it acquired the slot: relay its rows), or None
+    (its agent is gone: read nothing)."""
     op: ClassVar[str] = "claim"
     batch: int
     slot: int
     query_id: str | None = None
     spark_batch: int | None = None
     connect_session: str | None = None  # the Spark Connect session of the reading job (foreachBatch under Connect)
+    carrying: int = 0  # records the asking agent's session for this read carries from earlier polls
+    carried_ms: float = 0.0  # since they were acquired
 
 
 @dataclass
@@ -110,6 +113,15 @@ class Verdicts(Message):
 @dataclass
 class Status(Message):
     op: ClassVar[str] = "status"
+
+
+@dataclass
+class Drain(Message):
+    """From ``spark_share.drain()`` on a Spark that runs Trigger.AvailableNow as one batch: run as
+    AvailableNow does (drain what was queued when the run started, then plan nothing); the reply's
+    ``drained`` says whether that is done and acknowledged."""
+    op: ClassVar[str] = "drain"
+    query_id: str | None = None
 
 
 # --- from the tracker to an agent ----------------------------------------------------------------
@@ -175,7 +187,7 @@ class Read(Message):
     connect_session: str | None = None
 
 
-TO_TRACKER: tuple[type[Message], ...] = (Hello, Claim, Acquired, Fetch, Committed, Verdicts, Status)
+TO_TRACKER: tuple[type[Message], ...] = (Hello, Claim, Acquired, Fetch, Committed, Verdicts, Status, Drain)
 TRACKER_TO_AGENT: tuple[type[Message], ...] = (Prefetch, Ack, AckResult, DeadLetter, Fetch, Shutdown, Ping)
 TASK_TO_AGENT: tuple[type[Message], ...] = (Read, Ping)
 

@@ -10,17 +10,18 @@ after its query terminated (the listener drops it).
 """
 from __future__ import annotations
 
-import json
 import threading
+import time
 
-from .. import connect, runtime
-from ..errors import VerdictError
+from .. import connect, offsets, runtime, spark_versions
+from ..errors import PeerConnectionError, VerdictError
 from ..transport import wire
 from ..transport.protocol import Status, call
 
 _conns: dict[str, wire.RpcConnection] = {}  # tracker id -> connection
 _queries: dict[str, str] = {}  # query id -> tracker id
 _conns_lock = threading.Lock()
+FINAL_WAIT_S = 30.0  # how long status() of an ended query waits for its stopping tracker's final counts
 
 
 def _connect(entry: dict | None) -> wire.RpcConnection | None:
@@ -77,21 +78,30 @@ def forget(query_id: str) -> None:
 def status(query) -> dict:
     if connect.is_connect(query):
         return _status_from_progress(query)
-    conn = tracker_for(str(query.id))
-    if conn is None:
-        raise VerdictError(f"query {query.id} is not a running kafka-share query on this host")
-    rep, _ = call(conn, Status(), timeout=30)
-    return rep
+    query_id = str(query.id)
+    conn = tracker_for(query_id) if query.isActive else None
+    if conn is not None:
+        try:
+            rep, _ = call(conn, Status(), timeout=30)
+            return rep
+        except PeerConnectionError:  # its run is stopping
+            forget(query_id)
+    # An ended run: the counts its tracker left as it stopped (it writes them before its registry entry goes).
+    deadline = time.monotonic() + FINAL_WAIT_S
+    while True:
+        final = runtime.read_json(runtime.final_counts_path(query_id))
+        if final is not None and not query.isActive:
+            return final
+        if runtime.registry_entry(query_id) is None or time.monotonic() > deadline:
+            raise VerdictError(f"query {query_id} is not a kafka-share query of this host (running or ended here)")
+        time.sleep(0.05)  # the run is stopping: its tracker writes the counts within its bounded stop
 
 
 def kafka_share_progress(progress) -> dict | None:
     """Our part of a ``StreamingQueryProgress``: the source's ``latestOffset``, which is what the
     tracker reported when Spark planned the batch (its id, counts and lock headroom)."""
     for source in getattr(progress, "sources", None) or []:
-        try:
-            reported = json.loads(source.latestOffset or "null")
-        except (ValueError, TypeError):
-            continue
+        reported = offsets.from_progress(source.latestOffset)
         if isinstance(reported, dict) and "tracker" in reported:
             return reported
     return None
@@ -101,12 +111,17 @@ def _status_from_progress(query) -> dict:
     """Under Spark Connect: the tracker's full status when it runs on this host (a Connect server in
     this process), else the counts of the query's last progress (as of that batch's planning)."""
     last = query.lastProgress
-    reported = kafka_share_progress(last)
-    if reported is None:
-        raise VerdictError(f"query {query.id} has reported no kafka-share progress yet (it has not planned a batch, "
-                           "or it does not read format('kafka-share')); try again after its first batch")
-    conn = tracker_by_id(reported["tracker"])
+    ends = [r for r in (offsets.reported(s.endOffset) for s in (last.sources if last else [])) if r is not None]
+    conn = tracker_by_id(ends[0][1]) if ends and ends[0][1] else tracker_for(str(query.id))
     if conn is not None:
         rep, _ = call(conn, Status(), timeout=30)
         return rep
-    return dict(reported, view="lastProgress", sparkBatch=last.batchId, timestamp=last.timestamp)
+    counts = kafka_share_progress(last)
+    if counts is not None:
+        return dict(counts, view="lastProgress", sparkBatch=last.batchId, timestamp=last.timestamp)
+    if ends:
+        raise VerdictError(f"query {query.id}: its tracker runs on the Spark Connect server's host, and this "
+                           f"Spark ({spark_versions.VERSION_TEXT}) reports no source counters in the progress "
+                           "(Spark >= 4.2 does): call status() on that host, or run 'spark-share status' there")
+    raise VerdictError(f"query {query.id} has reported no kafka-share progress yet (it has not planned a batch, "
+                       "or it does not read format('kafka-share')); try again after its first batch")

@@ -1,26 +1,25 @@
 """The StreamingQueryListener spark-share installs: in the user's process (classic), or on the
 Spark Connect server (a Connect client may run on another machine).
 
-Owns: noting a query's checkpoint location when it starts (so a stop can tell a committed batch
-from one that was not), telling the tracker promptly that Spark committed a batch (so the
-acknowledgements of a long processingTime trigger do not wait for the next one), and dropping the
-tracker connection when the query terminates.
+Owns: noting a query's checkpoint location and trigger when it starts (so a stop can tell a
+committed batch from one that was not, and a trigger this Spark cannot run is refused), telling the
+tracker promptly that Spark committed a batch (so the acknowledgements of a long processingTime
+trigger do not wait for the next one), and dropping the tracker connection when the query terminates.
 
 Must never: break or slow the query (every failure here is logged at DEBUG and ignored), or
 acknowledge anything itself.
 """
 from __future__ import annotations
 
-import json
 import logging
 import warnings
 
 from pyspark.sql.streaming import StreamingQueryListener
 
 from .. import connect, runtime
-from ..offsets import batch_of
+from ..offsets import reported
 from ..transport.protocol import Committed, call_async
-from . import client
+from . import client, drain
 
 log = logging.getLogger("spark_share.user.listener")
 
@@ -28,23 +27,26 @@ log = logging.getLogger("spark_share.user.listener")
 _installed: set[int] = set()
 
 
-def _checkpoint_root(spark, query_id: str) -> str | None:
-    """The query's resolved checkpoint location, from the JVM (None when it cannot be read)."""
+def _note_start(spark, query_id: str, run_id: str) -> None:
+    """Tell this host's tracker of the query, as the query starts (the listener is called
+    synchronously with start()), where its commit log is and what its trigger is. With the commit log,
+    a stop ACCEPTs a batch Spark committed a moment before rather than releasing it, even when no
+    signal came after the commit (a Trigger.Once run ends right after its only batch); with the
+    trigger, a Trigger.AvailableNow run that this Spark would end after one batch is refused."""
     try:
-        return str(spark.streams.get(query_id)._jsq.streamingQuery().resolvedCheckpointRoot())
-    except Exception:
-        return None
-
-
-def _note_checkpoint(spark, query_id: str, run_id: str) -> None:
-    """Tell this host's tracker of the query where its commit log is, as the query starts (the
-    listener is called synchronously with start()): at a stop, a batch Spark committed a moment
-    before is then ACCEPTed rather than released, even when no signal came after the commit (a
-    Trigger.Once run ends right after its only batch)."""
-    root = _checkpoint_root(spark, query_id)
-    if not root:
+        execution = spark.streams.get(query_id)._jsq.streamingQuery()
+    except Exception:  # not readable through this JVM
         return
-    runtime.write_private_json(runtime.checkpoint_note_path(query_id), {"root": root, "runId": run_id})
+    note = {"runId": run_id}
+    try:
+        note["root"] = str(execution.resolvedCheckpointRoot())
+    except Exception:
+        pass
+    try:
+        note["trigger"] = str(execution.trigger().getClass().getName())
+    except Exception:
+        pass
+    runtime.write_private_json(runtime.checkpoint_note_path(query_id), note)
 
 
 def _forget_checkpoint(query_id: str, run_id: str) -> None:
@@ -55,23 +57,26 @@ def _forget_checkpoint(query_id: str, run_id: str) -> None:
 
 
 def _signal_commit(progress) -> None:
-    """Spark posts a progress event once the batch is in its commit log: tell the tracker that
-    reported in this batch's progress (its id is in our source's ``latestOffset``) how far it may
-    acknowledge, exactly (our batch id is the source's ``endOffset``)."""
-    reported = client.kafka_share_progress(progress)
-    if reported is None:
+    """Spark posts a progress event once the batch is in its commit log: tell the tracker that planned
+    the batch (the run in our source's ``endOffset``) how far it may acknowledge, exactly (our batch id
+    is in it too), with the query id, which a tracker whose reads did not carry it (under Spark Connect)
+    learns here."""
+    ends = [(upto, run) for upto, run in filter(None, (reported(s.endOffset) for s in progress.sources)) if run]
+    if not ends:
         return
-    conn = client.tracker_by_id(reported["tracker"], query_id=str(progress.id))
-    if conn is None:
-        return
-    ends = [s.endOffset for s in progress.sources if s.latestOffset and reported["tracker"] in s.latestOffset]
-    call_async(conn, Committed(int(progress.batchId), source_batch=batch_of(json.loads(ends[0])),
-                               query_id=str(progress.id)))
+    upto, run = ends[0]
+    conn = client.tracker_by_id(str(run), query_id=str(progress.id))
+    if conn is not None:
+        call_async(conn, Committed(int(progress.batchId), source_batch=upto, query_id=str(progress.id)))
 
 
 class ServerCommitListener(StreamingQueryListener):
     """The listener a Spark Connect server runs for a client session, in a Python process on the
-    driver host (next to the trackers). Importable by reference: nothing of the client is captured."""
+    driver host (next to the trackers). Importable by reference: nothing of the client is captured.
+    Its session (``self.spark``, the client's) carries the marks of ``spark_share.drain()``."""
+
+    def _session(self):
+        return getattr(self, "spark", None)
 
     def onQueryStarted(self, event):
         pass
@@ -81,9 +86,18 @@ class ServerCommitListener(StreamingQueryListener):
             _signal_commit(event.progress)
         except Exception:  # a listener must never break the query
             log.debug("commit signal failed", exc_info=True)
+        self._drain(str(event.progress.id))
 
     def onQueryIdle(self, event):
-        pass
+        self._drain(str(event.id))
+
+    def _drain(self, query_id: str) -> None:
+        try:
+            spark = self._session()
+            if drain.marked(spark, query_id):
+                drain.drive(spark, query_id)
+        except Exception:  # a listener must never break the query
+            log.debug("driving the drain failed", exc_info=True)
 
     def onQueryTerminated(self, event):
         client.forget(str(event.id))
@@ -103,13 +117,16 @@ def install_listener(spark) -> None:
 
     class CommitListener(ServerCommitListener):
         """In a classic session: the same signals from the user's process, which is the driver, plus
-        the checkpoint note."""
+        the note of the query's start."""
+
+        def _session(self):
+            return spark
 
         def onQueryStarted(self, event):
             try:
-                _note_checkpoint(spark, str(event.id), str(event.runId))
+                _note_start(spark, str(event.id), str(event.runId))
             except Exception:  # a listener must never break the query
-                log.debug("noting the checkpoint failed", exc_info=True)
+                log.debug("noting the query's start failed", exc_info=True)
 
         def onQueryTerminated(self, event):
             super().onQueryTerminated(event)

@@ -28,6 +28,8 @@ import psutil
 import pytest
 from confluent_kafka import AcknowledgeType, Producer, ShareConsumer
 
+import spark_share
+
 
 class Workload:
     """Produces JSON records {"id": n, ...} with unique ids, keyed by id, round-robin over partitions.
@@ -326,9 +328,20 @@ def id_col():
 
 
 def source_progress(q) -> dict:
-    """The source's part of the query's last progress (the tracker's counts)."""
-    latest = q.recentProgress[-1]["sources"][0]["latestOffset"]
-    return json.loads(latest) if isinstance(latest, str) else latest
+    """The tracker's counts: the source's part of the query's last progress, or, where Spark reports no
+    source counters (< 4.2), what the tracker logged when the query's run stopped."""
+    from spark_share.offsets import from_progress
+
+    latest = q.recentProgress[-1]["sources"][0]["latestOffset"] if q.recentProgress else None
+    latest = from_progress(latest) if isinstance(latest, str) else latest
+    if isinstance(latest, dict) and "tracker" in latest:
+        return latest
+
+    def stopped():
+        found = re.findall(r"spark-share tracker \w+ stopped: (\{.*\})", tracker_log(q))
+        return json.loads(found[-1]) if found else None
+
+    return wait_until(stopped, timeout=30, message=f"the tracker of query {q.id} logged no final counts")
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.05, message: str = "condition not met"):
@@ -503,7 +516,7 @@ def broker_outage(kafka, seconds: float) -> threading.Thread:
 
 
 def run_available_now(spark, kafka, group, topics, foreach, ckpt, **options):
-    q = (read_stream(spark, kafka, group, topics, **options).writeStream.foreachBatch(foreach)
-         .option("checkpointLocation", ckpt).trigger(availableNow=True).start())
+    q = spark_share.drain(read_stream(spark, kafka, group, topics, **options).writeStream.foreachBatch(foreach)
+         .option("checkpointLocation", ckpt))
     assert q.awaitTermination(180), "AvailableNow run did not end"
     return q

@@ -31,6 +31,7 @@ from harness.support import (
     summary_count,
     wait_until,
 )
+from spark_share import spark_versions
 from spark_share.errors import VerdictError
 
 pytestmark = pytest.mark.slow
@@ -144,8 +145,8 @@ def test_verdicts_in_foreach_batch_on_the_server(remote, kafka, tmp_path):
             f.write(json.dumps({"batch": batch_id, "rows": rows.count(), "session": batch.sparkSession.session_id}))
 
     group = kafka.group(gid())
-    q = (_read(remote, kafka, group, w.topic, deadLetterPath=dlq).writeStream.foreachBatch(process)
-         .option("checkpointLocation", str(tmp_path / "ck")).trigger(availableNow=True).start())
+    q = spark_share.drain(_read(remote, kafka, group, w.topic, deadLetterPath=dlq).writeStream.foreachBatch(process)
+         .option("checkpointLocation", str(tmp_path / "ck")))
     assert q.awaitTermination(180), "AvailableNow did not end under Spark Connect"
     assert q.exception() is None, q.exception()
     written = _parquet_ids(out)
@@ -198,6 +199,11 @@ def test_prompt_acknowledgement_and_status_from_the_client(remote, kafka, tmp_pa
         other_host = tmp_path / "elsewhere"
         other_host.mkdir(mode=0o700)
         monkeypatch.setenv("SPARK_SHARE_RUNTIME_DIR", str(other_host))
+        if not spark_versions.ADMISSION_CONTROL:  # Spark < 4.2: the progress carries no source counters
+            with pytest.raises(VerdictError, match=rf"this Spark \({re.escape(spark_versions.VERSION_TEXT)}\) "
+                                                   "reports no source counters.*spark-share status"):
+                spark_share.status(q)
+            return
         seen = spark_share.status(q)
         assert seen["view"] == "lastProgress" and seen["sparkBatch"] == 0 and seen["tracker"] == status["tracker"]
         assert {"acquired", "accepted", "released", "rejected", "lockDurationMs"} <= set(seen)
@@ -286,8 +292,8 @@ def test_bad_verdicts_are_the_classic_errors(remote, kafka, tmp_path):
         with open(os.path.join(errs, f"{batch_id}.json"), "w") as f:
             f.write(json.dumps(found))
 
-    q = (_read(remote, kafka, kafka.group(gid()), topic).writeStream.foreachBatch(process)
-         .option("checkpointLocation", str(tmp_path / "ck")).trigger(availableNow=True).start())
+    q = spark_share.drain(_read(remote, kafka, kafka.group(gid()), topic).writeStream.foreachBatch(process)
+         .option("checkpointLocation", str(tmp_path / "ck")))
     assert q.awaitTermination(180)
     assert q.exception() is None
     found = _json_lines(errs)[0]
@@ -352,9 +358,9 @@ def test_failure_stop_and_restart_lose_nothing(remote, kafka, tmp_path):
     q.stop()
     assert not q.isActive
 
-    q = (_read(remote, kafka, group, w.topic).writeStream
+    q = spark_share.drain(_read(remote, kafka, group, w.topic).writeStream
          .foreachBatch(lambda batch, batch_id: batch.write.mode("append").parquet(out))
-         .option("checkpointLocation", ck).trigger(availableNow=True).start())
+         .option("checkpointLocation", ck))
     assert q.awaitTermination(180)
     report = check_no_loss(ids, _parquet_ids(out), duplicates_reason="the failed batch and the stopped one "
                            "were written, then redelivered")
@@ -420,7 +426,7 @@ def test_verdicts_find_their_batch_by_connect_session(kafka):
     from concurrent.futures import Future
     from types import SimpleNamespace
 
-    from spark_share.driver.batches import REJECT
+    from spark_share.acknowledgement import REJECT
     from spark_share.driver.tracker import Tracker
     from spark_share.options import parse_options
     from spark_share.transport.protocol import Acquired, Claim, Verdicts

@@ -37,8 +37,8 @@ def test_dead_letter_topic_gets_original_record_and_reason_headers(spark, kafka,
         parsed = df.withColumn("o", F.from_json(F.col("value").cast("string"), "id long"))
         spark_share.reject(parsed.where("o.id IS NULL"), reason="unparseable JSON")
 
-    q = (read_stream(spark, kafka, kafka.group(gid()), source, deadLetterTopic=dead).writeStream.foreachBatch(process)
-         .option("checkpointLocation", str(tmp_path / "ck")).trigger(availableNow=True).start())
+    q = spark_share.drain(read_stream(spark, kafka, kafka.group(gid()), source, deadLetterTopic=dead).writeStream.foreachBatch(process)
+         .option("checkpointLocation", str(tmp_path / "ck")))
     assert q.awaitTermination(120)
     assert q.exception() is None
     c = Consumer({**kafka.client(), "group.id": kafka.name("reader"), "auto.offset.reset": "earliest",
@@ -80,15 +80,15 @@ def test_failed_dead_letter_write_acknowledges_nothing(spark, kafka, tmp_path):
         spark_share.reject(df.where("id % 7 = 0"), reason="seven")
 
     group, ck = kafka.group(gid()), str(tmp_path / "ck")
-    q = (read_stream(spark, kafka, group, w.topic, deadLetterPath=str(dlq)).writeStream.foreachBatch(process)
-         .option("checkpointLocation", ck).trigger(availableNow=True).start())
+    q = spark_share.drain(read_stream(spark, kafka, group, w.topic, deadLetterPath=str(dlq)).writeStream.foreachBatch(process)
+         .option("checkpointLocation", ck))
     with pytest.raises(Exception, match="deadLetterPath") as failure:
         q.awaitTermination(120)
     assert "released" in str(failure.value)
     assert {r["id"] for r in collector.batches[0]} == set(w.ids)
     dlq.unlink()  # the target is fixed; the restarted query gets batch 0's records back
-    q = (read_stream(spark, kafka, group, w.topic, deadLetterPath=str(dlq)).writeStream.foreachBatch(process)
-         .option("checkpointLocation", ck).trigger(availableNow=True).start())
+    q = spark_share.drain(read_stream(spark, kafka, group, w.topic, deadLetterPath=str(dlq)).writeStream.foreachBatch(process)
+         .option("checkpointLocation", ck))
     assert q.awaitTermination(120)
     assert q.exception() is None
     again = {r["id"] for b, rows in collector.batches.items() if b > 0 for r in rows if r["deliveryCount"] == 2}
@@ -111,9 +111,9 @@ def test_max_delivery_count_sets_a_poison_record_aside(spark, kafka, tmp_path):
         # Processing of record 13 keeps failing: give it back each time; everything else succeeds.
         spark_share.release(df.where(f"id = {poison}"))
 
-    q = (read_stream(spark, kafka, kafka.group(gid()), w.topic, deadLetterPath=dlq, maxDeliveryCount=3).writeStream
+    q = spark_share.drain(read_stream(spark, kafka, kafka.group(gid()), w.topic, deadLetterPath=dlq, maxDeliveryCount=3).writeStream
          .foreachBatch(process).option("checkpointLocation", str(tmp_path / "ck"))
-         .trigger(availableNow=True).start())
+         )
     assert q.awaitTermination(120)
     assert q.exception() is None
     seen = [(r["id"], r["deliveryCount"]) for r in collector.rows]
@@ -170,8 +170,8 @@ def test_bad_verdicts_are_clear_errors(spark, kafka, tmp_path):
                 errors[name] = str(e)
 
     group = kafka.group(gid())
-    q = (read_stream(spark, kafka, group, topic).writeStream.foreachBatch(process)
-         .option("checkpointLocation", str(tmp_path / "ck")).trigger(availableNow=True).start())
+    q = spark_share.drain(read_stream(spark, kafka, group, topic).writeStream.foreachBatch(process)
+         .option("checkpointLocation", str(tmp_path / "ck")))
     assert q.awaitTermination(120)
     assert q.exception() is None
     assert "topic" in errors["columns"] and "offset" in errors["columns"]

@@ -19,8 +19,9 @@ from concurrent.futures import Future
 
 import pytest
 
+from spark_share.acknowledgement import ACCEPT, REJECT, RELEASE, AckOutcome
 from spark_share.driver.acks import AGENT_LOST, Acknowledger, log_batch
-from spark_share.driver.batches import ACCEPT, QUEUED, REJECT, RELEASE, AckOutcome, BatchState
+from spark_share.driver.batches import QUEUED, BatchState
 from spark_share.driver.policy import BatchPolicy
 from spark_share.errors import DeadLetterError
 from spark_share.options import parse_options

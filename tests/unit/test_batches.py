@@ -13,19 +13,8 @@ import time
 
 import pytest
 
-from spark_share.driver import batches
-from spark_share.driver.batches import (
-    ACKED,
-    ACKING,
-    FINISHED,
-    IN_FLIGHT,
-    PLANNED,
-    QUEUED,
-    RELEASED,
-    VOID,
-    AckOutcome,
-    BatchState,
-)
+from spark_share.acknowledgement import AckOutcome
+from spark_share.driver.batches import ACKED, ACKING, FINISHED, IN_FLIGHT, PLANNED, QUEUED, RELEASED, VOID, BatchState
 
 
 def slot(agent: str, rows: int, offsets: dict, acquired_at: float | None = 100.0, **extra) -> dict:
@@ -47,7 +36,9 @@ def test_the_acknowledgement_kinds_are_kafkas():
     # The numbers go to the agents' ShareConsumer.acknowledge_offset as they are: Kafka's AcknowledgeType.
     from confluent_kafka import AcknowledgeType
 
-    assert (batches.ACCEPT, batches.RELEASE, batches.REJECT) == (
+    from spark_share import acknowledgement
+
+    assert (acknowledgement.ACCEPT, acknowledgement.RELEASE, acknowledgement.REJECT) == (
         int(AcknowledgeType.ACCEPT), int(AcknowledgeType.RELEASE), int(AcknowledgeType.REJECT))
 
 

@@ -21,9 +21,10 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
+from spark_share.deadletter_target import check_path, check_target
 from spark_share.errors import DeadLetterError, SourceError
 from spark_share.executor import deadletter
-from spark_share.executor.deadletter import DeadLetterWriter, check_path, check_target, rejected_table
+from spark_share.executor.deadletter import DeadLetterWriter, rejected_table
 from spark_share.executor.records import arrow_schema
 from spark_share.options import parse_options
 

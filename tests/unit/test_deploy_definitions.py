@@ -6,7 +6,9 @@ types) and databricks-bundles' ``Job`` and must come back with no field dropped;
 databricks-bundles' own resource loader (``python -m databricks.bundles.build``, what the Databricks CLI
 runs for Python-enabled bundles). The CLI itself (a Go binary) is not available here, so ``render``
 merges a target into the top-level resources the way the CLI does (tasks by task_key, job clusters by
-job_cluster_key) and refuses anything it does not model.
+job_cluster_key) and refuses anything it does not model. Each target equals its JSON file but for the
+wheel: the bundle's tasks name the wheel its ``artifacts`` entry builds (``../dist/*.whl``, uploaded by
+``bundle deploy``), the JSON files a wheel the user uploaded.
 
 EMR: conf/emr-cluster.json (RunJobFlow), conf/emr-step.json (AddJobFlowSteps) and
 conf/emr-serverless-job.json (EMR Serverless StartJobRun) pass botocore's ParamValidator, the check the
@@ -14,11 +16,17 @@ AWS SDKs run before sending, and the constraints of the same service model that 
 (enums, maximum lengths, patterns); then moto's EMR creates the cluster, adds the step and reads both
 back, and the AWS CLI commands of docs/deploy.md (``aws emr add-steps``, ``aws emr-serverless
 start-job-run --cli-input-json``) run against moto.
+
+Runtimes: every runtime the definitions and docs/deploy.md name (EMR release labels, Databricks Runtime
+``spark_version`` and serverless ``environment_version``) is one of ``RUNTIMES``, whose Apache Spark is in
+``spark_share.spark_versions.SUPPORTED``.
 """
 import contextlib
 import copy
+import fnmatch
 import io
 import json
+import os
 import pathlib
 import re
 import subprocess
@@ -34,8 +42,11 @@ from botocore.validate import ParamValidator
 from databricks.bundles.jobs import Job
 from databricks.sdk.service.jobs import JobSettings
 from moto import mock_aws
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
 import spark_share
+from spark_share.spark_versions import SUPPORTED
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
@@ -69,10 +80,13 @@ def differences(expected, actual, path="$"):
 # --- Databricks -----------------------------------------------------------------------------------
 BUNDLE = CONF / "databricks.yml"
 TARGET_JSON = {"classic": "databricks-job.json", "serverless": "databricks-serverless-job.json"}
-# The placeholders of the JSON files, as bundle variable values: rendered with them, a target is its JSON file.
-PLACEHOLDERS = {"catalog": "<catalog>", "schema": "<schema>", "git_url": "https://github.com/<your-org>/spark-share",
-                "spark_version": "<a Databricks Runtime with Apache Spark >= 4.2>",
-                "environment_version": "<a serverless environment with Apache Spark >= 4.2>"}
+# The placeholders of the JSON files, as bundle variable values: rendered with them, a target is its JSON
+# file (but for the wheel). The runtime versions are the variables' defaults, real names in both.
+PLACEHOLDERS = {"git_url": "https://github.com/<your-org>/spark-share"}
+# The wheel a task installs: the bundle's built artifact (a local path, which `bundle deploy` uploads and
+# rewrites), the JSON files' wheel uploaded by hand (the Jobs API uploads nothing).
+BUILT_WHEEL = "../dist/*.whl"
+UPLOADED_WHEEL = f"/Volumes/<catalog>/<schema>/libs/spark_share-{spark_share.__version__}-py3-none-any.whl"
 TOP_KEYS = {"bundle", "variables", "resources", "targets", "include", "workspace", "artifacts", "sync",
             "permissions", "run_as", "presets", "experimental", "python", "scripts"}
 TARGET_KEYS = {"default", "mode", "variables", "resources", "workspace", "presets", "artifacts", "sync",
@@ -132,13 +146,35 @@ def bundle():
     return yaml.safe_load(BUNDLE.read_text())
 
 
-def definitions():
+def definitions(with_wheel=False):
+    """Every Databricks job definition (as pytest params): the JSON files, and each target of the bundle
+    rendered; with ``with_wheel``, each with the wheel its task must install."""
     bundle = yaml.safe_load(BUNDLE.read_text())
-    out = [pytest.param(load(name), id=name) for name in TARGET_JSON.values()]
+    out = [(name, load(name), UPLOADED_WHEEL) for name in TARGET_JSON.values()]
     for target in bundle["targets"]:
         (job,) = render(bundle, target, PLACEHOLDERS)[0]["jobs"].values()
-        out.append(pytest.param(job, id=f"databricks.yml:{target}"))
-    return out
+        out.append((f"databricks.yml:{target}", job, BUILT_WHEEL))
+    return [pytest.param(job, *([wheel] if with_wheel else []), id=name) for name, job, wheel in out]
+
+
+def wheels(job):
+    """The wheels a job installs: its tasks' ``whl`` libraries and its environments' ``.whl`` dependencies."""
+    return [lib["whl"] for task in job["tasks"] for lib in task.get("libraries", []) if "whl" in lib] + [
+        dep for env in job.get("environments", []) for dep in env["spec"].get("dependencies", [])
+        if dep.endswith(".whl")]
+
+
+def with_wheel(job, wheel):
+    """``job`` with every wheel it installs replaced by ``wheel``."""
+    job = copy.deepcopy(job)
+    for task in job["tasks"]:
+        for lib in task.get("libraries", []):
+            if "whl" in lib:
+                lib["whl"] = wheel
+    for env in job.get("environments", []):
+        deps = env["spec"].get("dependencies", [])
+        deps[:] = [wheel if dep.endswith(".whl") else dep for dep in deps]
+    return job
 
 
 @pytest.mark.parametrize("job", definitions())
@@ -165,8 +201,28 @@ def test_round_trip_reports_a_dropped_field():
 
 @pytest.mark.parametrize("target", TARGET_JSON)
 def test_each_bundle_target_is_its_json_job(bundle, target):
+    """The same job but for the wheel: the bundle installs the wheel it built, the JSON file one uploaded."""
     (job,) = render(bundle, target, PLACEHOLDERS)[0]["jobs"].values()
-    assert list(differences(load(TARGET_JSON[target]), job)) == []
+    expected = load(TARGET_JSON[target])
+    assert (wheels(job), wheels(expected)) == ([BUILT_WHEEL], [UPLOADED_WHEEL])
+    assert list(differences(with_wheel(expected, "<wheel>"), with_wheel(job, "<wheel>"))) == []
+
+
+def test_bundle_builds_the_wheel_its_tasks_install(bundle):
+    """The bundle's one artifact is the wheel of this repository, built into the directory the tasks'
+    BUILT_WHEEL names, and that path lies inside the sync root (the CLI refuses a local library outside
+    it: the sync root is the innermost directory holding the bundle root and every ``sync.paths``)."""
+    ((_, artifact),) = bundle["artifacts"].items()
+    assert artifact["type"] == "whl" and set(artifact) == {"type", "path", "build"}
+    project = (CONF / artifact["path"]).resolve()
+    assert project == ROOT and (project / "pyproject.toml").is_file()
+    build = re.fullmatch(r"python -m pip wheel --no-deps -w (\S+) \.", artifact["build"])
+    assert build, artifact["build"]  # --no-deps: the project's wheel only, none of its requirements, in dist/
+    assert BUILT_WHEEL == f"{artifact['path']}/{build[1]}/*.whl"
+    assert fnmatch.fnmatch(UPLOADED_WHEEL.rsplit("/", 1)[1], BUILT_WHEEL.rsplit("/", 1)[1])
+    sync_paths = [(CONF / p).resolve() for p in bundle.get("sync", {}).get("paths", [])]
+    sync_root = os.path.commonpath([CONF, *sync_paths])
+    assert (CONF / BUILT_WHEEL).resolve().is_relative_to(sync_root), f"{BUILT_WHEEL} is outside the sync root"
 
 
 def test_bundle_placeholders_are_variables(bundle):
@@ -186,12 +242,11 @@ def test_bundle_placeholders_are_variables(bundle):
     assert [s for s in everything if re.search(r"<[^>]*>", s)] == []
     used = {name for s in everything for name in VAR.findall(s)}
     assert used == set(bundle["variables"])
-    for target in bundle["targets"]:
+    for target in bundle["targets"]:  # the runtime versions have defaults (checked below); the Git URL is yours
         with pytest.raises(AssertionError, match="no value assigned to required variables") as e:
             render(bundle, target)
-        needed = {"catalog", "schema", "git_url", "spark_version" if target == "classic" else "environment_version"}
-        assert str(sorted(needed)) in str(e.value)
-        render(bundle, target, {k: "x" for k in needed})
+        assert str(["git_url"]) in str(e.value)
+        render(bundle, target, {"git_url": "x"})
 
 
 def test_render_refuses_what_it_does_not_model(bundle):
@@ -232,7 +287,7 @@ def cli_config(bundle, target):
 @pytest.mark.parametrize("target", TARGET_JSON)
 def test_bundle_loads_with_the_databricks_bundles_loader(bundle, tmp_path, target):
     config = cli_config(bundle, target)
-    assert "${var.catalog}" in json.dumps(config["resources"])  # typed as databricks.bundles Variable
+    assert "${var.git_url}" in json.dumps(config["resources"])  # typed as databricks.bundles Variable
     rc, diagnostics, output = bundles_loader(tmp_path, config)
     assert (rc, diagnostics) == (0, [])
     assert list(differences(config["resources"], output["resources"])) == []
@@ -247,14 +302,12 @@ def test_bundles_loader_reports_a_misspelled_field(bundle, tmp_path):
     assert diagnostics[0]["path"] == "resources.jobs.orders_queue_to_table"
 
 
-@pytest.mark.parametrize("job", definitions())
-def test_job_definitions_point_at_files_that_exist(job):
+@pytest.mark.parametrize("job, wheel", definitions(with_wheel=True))
+def test_job_definitions_point_at_files_that_exist(job, wheel):
     (task,) = job["tasks"]
     py = task["spark_python_task"]
     assert (ROOT / py["python_file"]).is_file() and (ROOT / py["parameters"][1]).is_file()
-    wheels = [lib["whl"] for lib in task.get("libraries", [])] + [
-        dep for env in job.get("environments", []) for dep in env["spec"]["dependencies"]]
-    assert [w.rsplit("/", 1)[1] for w in wheels] == [f"spark_share-{spark_share.__version__}-py3-none-any.whl"]
+    assert wheels(job) == [wheel]  # BUILT_WHEEL: test_bundle_builds_the_wheel_its_tasks_install
 
 
 # --- EMR ------------------------------------------------------------------------------------------
@@ -360,7 +413,7 @@ def test_service_constraints_report_a_broken_definition(operation, break_it, mes
 def test_emr_cluster_runs_the_shipped_step_with_the_shipped_bootstrap():
     cluster = load("emr-cluster.json")
     assert cluster["Steps"] == load("emr-step.json")  # the cluster definition carries the step unchanged
-    assert ">= 4.2" in cluster["ReleaseLabel"] and {"Name": "Spark"} in cluster["Applications"]
+    assert {"Name": "Spark"} in cluster["Applications"]  # its ReleaseLabel: test_runtime_is_supported
     (bootstrap,) = cluster["BootstrapActions"]
     script = bootstrap["ScriptBootstrapAction"]
     assert script["Path"].endswith("/spark-share/conf/emr-bootstrap.sh") and (CONF / "emr-bootstrap.sh").is_file()
@@ -444,7 +497,9 @@ def test_emr_serverless_job_runs_the_job_file_with_the_emr_config():
 def test_emr_serverless_start_job_run_with_the_aws_cli_on_moto():
     job = load("emr-serverless-job.json")
     serverless = boto3.client("emr-serverless", region_name=REGION)
-    # moto knows only existing release labels; the job run itself names none (the application does).
+    # moto accepts only labels of the form emr-<major>.<minor>.0 and refuses emr-spark-8.0.0, the release
+    # docs/deploy.md creates the application with (test_runtime_is_supported checks that one); the job run
+    # itself names no release, so moto's own (Spark 3.5) label stands in for it here only.
     app = serverless.create_application(name="spark-share", releaseLabel="emr-7.0.0", type="SPARK")["applicationId"]
     rc, out, err = aws_cli("emr-serverless", "start-job-run", "--cli-input-json",  # as docs/deploy.md runs it
                            f"file://{CONF / 'emr-serverless-job.json'}", "--application-id", app)
@@ -453,3 +508,88 @@ def test_emr_serverless_start_job_run_with_the_aws_cli_on_moto():
     assert (run["name"], run["executionRole"]) == (job["name"], job["executionRoleArn"])
     assert run["jobDriver"] == job["jobDriver"]
     assert run["configurationOverrides"] == job["configurationOverrides"]
+
+
+# --- Runtimes -------------------------------------------------------------------------------------
+# The runtimes the definitions may name, with the Apache Spark each ships (the vendors' release notes),
+# by kind: EMR release label, Databricks Runtime spark_version, serverless environment_version. A name
+# matches a key as a glob. A name not here fails test_runtime_is_supported: add it with its Spark.
+RUNTIMES = {
+    "emr": {
+        "emr-spark-8.0.0": "4.0.2",  # EC2, EKS and Serverless
+        "emr-7.*": "3.5",
+    },
+    "databricks": {
+        "17.3.x-scala2.13": "4.0.0",  # 17.3 LTS
+        "16.4.x-scala2.12": "3.5",  # 16.4 LTS
+    },
+    "databricks-serverless": {
+        "5": "4.1.0",  # Databricks Connect 18
+        "4": "4.0.0",  # Databricks Connect 17.3
+        "3": "3.5",
+        "2": "3.5",  # 3.5 or older
+        "1": "3.5",  # 3.5 or older
+    },
+}
+DEPLOY_DOC = ROOT / "docs" / "deploy.md"
+
+
+def runtime_spark(kind, name):
+    """The Spark version the runtime ``name`` ships; AssertionError if it is unknown or not supported."""
+    spark = [v for pattern, v in RUNTIMES[kind].items() if fnmatch.fnmatchcase(str(name), pattern)]
+    assert spark, f"unknown {kind} runtime {name!r}: add it to RUNTIMES with the Spark its release notes give"
+    assert Version(spark[0]) in SpecifierSet(SUPPORTED), (
+        f"{kind} runtime {name!r} ships Spark {spark[0]}, outside spark-share's range {SUPPORTED}")
+    return spark[0]
+
+
+def runtimes_named():
+    """(kind, name, where) for every runtime the definitions and docs/deploy.md name."""
+    out = [("emr", load("emr-cluster.json")["ReleaseLabel"], "emr-cluster.json:ReleaseLabel")]
+    doc, bundle = DEPLOY_DOC.read_text(), yaml.safe_load(BUNDLE.read_text())
+    out += [("emr", label, "deploy.md:--release-label")
+            for label in re.findall(r"--release-label[ =]([^\s\"'`]+)", doc)]
+    for var, kind in (("spark_version", "databricks"), ("environment_version", "databricks-serverless")):
+        out += [(kind, value, f"deploy.md:{var}=") for value in re.findall(rf"\b{var}=([^\s,\"'`]+)", doc)]
+        default = bundle["variables"][var].get("default")
+        out.append((kind, None if default is None else str(default), f"databricks.yml:variables.{var}.default"))
+        out += [(kind, str(value), f"databricks.yml:targets.{target}.variables.{var}")
+                for target, tgt in bundle["targets"].items()
+                for value in [(tgt.get("variables") or {}).get(var)] if value is not None]
+    for param in definitions():
+        (job,), where = param.values, param.id
+        out += [("databricks", c["new_cluster"]["spark_version"], f"{where}:spark_version")
+                for c in job.get("job_clusters", [])]
+        out += [("databricks-serverless", e["spec"]["environment_version"], f"{where}:environment_version")
+                for e in job.get("environments", [])]
+    return out
+
+
+def test_every_definition_names_a_runtime():
+    """Each definition names its runtime (a real one, not a placeholder or a variable without default)."""
+    named = runtimes_named()
+    assert all(name is not None for _, name, _ in named), [where for _, name, where in named if name is None]
+    assert {where for _, _, where in named} >= {
+        "emr-cluster.json:ReleaseLabel", "deploy.md:--release-label",
+        "databricks.yml:variables.spark_version.default", "databricks.yml:variables.environment_version.default",
+        "databricks-job.json:spark_version", "databricks-serverless-job.json:environment_version",
+        "databricks.yml:classic:spark_version", "databricks.yml:serverless:environment_version"}
+
+
+@pytest.mark.parametrize("kind, name", [pytest.param(kind, name, id=f"{where}={name}")
+                                        for kind, name, where in runtimes_named()])
+def test_runtime_is_supported(kind, name):
+    runtime_spark(kind, name)
+
+
+@pytest.mark.parametrize("kind, name, message", [
+    ("emr", "emr-7.12.0", r"ships Spark 3\.5, outside spark-share's range"),
+    ("databricks", "16.4.x-scala2.12", r"ships Spark 3\.5, outside"),
+    ("databricks-serverless", "3", r"ships Spark 3\.5, outside"),
+    ("emr", "emr-spark-9.0.0", "unknown emr runtime"),
+    ("databricks", "<a Databricks Runtime with Apache Spark >= 4.2>", "unknown databricks runtime"),
+    ("databricks-serverless", "17.3.x-scala2.13", "unknown databricks-serverless runtime"),
+])
+def test_runtime_check_refuses_an_unsupported_or_unknown_runtime(kind, name, message):
+    with pytest.raises(AssertionError, match=message):
+        runtime_spark(kind, name)

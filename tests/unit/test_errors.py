@@ -15,7 +15,8 @@ BUILTIN_PARENT = {errors.OptionError: ValueError, errors.ConfigError: ValueError
                   errors.DeadLetterError: RuntimeError, errors.AgentError: RuntimeError,
                   errors.JobError: RuntimeError, errors.EmbeddedKafkaError: RuntimeError,
                   errors.RemoteError: RuntimeError, errors.RuntimeDirError: PermissionError,
-                  errors.AuthError: ConnectionError, errors.PeerConnectionError: ConnectionError}
+                  errors.AuthError: ConnectionError, errors.PeerConnectionError: ConnectionError,
+                  errors.UnsupportedSparkError: ImportError}
 
 
 def test_every_error_has_the_common_base_and_its_builtin_parent():

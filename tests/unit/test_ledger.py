@@ -7,18 +7,8 @@ import threading
 
 import pytest
 
-from spark_share.driver.batches import (
-    ACCEPT,
-    ACKED,
-    ACKING,
-    PLANNED,
-    QUEUED,
-    REJECT,
-    RELEASE,
-    RELEASED,
-    VOID,
-    AckOutcome,
-)
+from spark_share.acknowledgement import ACCEPT, REJECT, RELEASE, AckOutcome
+from spark_share.driver.batches import ACKED, ACKING, PLANNED, QUEUED, RELEASED, VOID
 from spark_share.driver.ledger import KEEP_FINISHED, BatchLedger
 from spark_share.driver.policy import BatchPolicy
 from spark_share.errors import BatchRefused, VerdictError

@@ -3,8 +3,9 @@ import logging
 
 import pytest
 
+from spark_share.acknowledgement import AckOutcome
 from spark_share.driver.acks import log_batch
-from spark_share.driver.batches import AckOutcome, BatchState
+from spark_share.driver.batches import BatchState
 from spark_share.driver.policy import (
     AVAILABLE_NOW_EMPTY_RETRIES,
     AVAILABLE_NOW_UNANSWERED_S,
@@ -167,6 +168,33 @@ def test_slots_and_budgets_follow_max_records_per_trigger():
     assert p.slot_budgets(BatchState(0, 4, 1000)) == [250] * 4
     assert p.slot_budgets(BatchState(0, 4, None)) == [None] * 4
     assert p.poll_size(None) == 250, "before any batch: maxRecordsPerTrigger over the slots"
+
+
+def test_the_batch_cap_goes_first_to_reads_whose_sessions_carry_records():
+    """Kafka hands a fetch whole producer batches: a session may carry far more than its share. Its read
+    may take what is left of the cap, and reads claimed after the cap is spent acquire nothing."""
+    p = BatchPolicy(num_slots=3, idle_probe_ms=10_000, max_records_per_trigger=300)
+    b = BatchState(0, 3, 300)
+    assert p.grant(b, 0, carrying=900) == 300, "a carrier takes the whole cap"
+    b.granted[0] = 300
+    assert p.grant(b, 1, carrying=0) == 0 and p.grant(b, 2, carrying=500) == 0, "nothing left: no new polls"
+    even = BatchState(1, 3, 300)
+    assert [p.grant(even, s, 0) for s in range(3)] == [100] * 3, "no carry: the even share"
+    even.granted = {0: 100, 1: 100}
+    assert p.grant(even, 2, carrying=150) == 100, "never more than what is left"
+    p.lock_safe_records = 120
+    assert p.grant(BatchState(2, 3, 300), 0, carrying=900) == 120, "lock-safe records per consumer still cap it"
+    assert p.grant(BatchState(3, 3, None), 0, carrying=900) == 120, "no batch cap: the lock-safe share, as planned"
+    ahead = BatchState(4, 3, 300)
+    ahead.prefetched = True
+    assert p.grant(ahead, 0, carrying=900) == 100, "polled ahead at planning: the shares the polls started with"
+    late = BatchState(5, 3, 300)
+    late.granted = {0: 300}
+    assert p.grant(late, 1, carrying=900, carried_ms=p.carry_ms / 2) == 120, \
+        "carried records growing old go out past the cap, at most what a consumer's batch fits in the lock"
+    p.lock_safe_records = None
+    assert p.grant(late, 1, carrying=900, carried_ms=p.carry_ms / 2) == 900, \
+        "carried records growing old go out in full, past the cap, rather than being released"
 
 
 def test_polls_take_their_share_of_the_lock_budget():

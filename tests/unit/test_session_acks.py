@@ -6,7 +6,7 @@ from __future__ import annotations
 import confluent_kafka
 import pytest
 
-from spark_share.driver.batches import ACCEPT, REJECT, RELEASE
+from spark_share.acknowledgement import ACCEPT, REJECT, RELEASE
 from spark_share.executor import session as session_mod
 
 

@@ -25,8 +25,8 @@ from harness.support import (
     tracker_log,
     wait_until,
 )
+from spark_share.acknowledgement import ACCEPT, REJECT
 from spark_share.driver.acks import AGENT_LOST
-from spark_share.driver.batches import ACCEPT, REJECT
 from spark_share.transport.protocol import Claim
 
 from .helpers import StubAgent, acquired, tracker

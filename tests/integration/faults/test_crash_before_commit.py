@@ -37,8 +37,8 @@ def test_row1_crash_after_sink_write_redelivers_the_batch(spark, kafka, tmp_path
 
     # Restart from the checkpoint: batch 0 is replayed and every record of it comes back.
     collector = BatchCollector()
-    q = (read_stream(spark, kafka, group, w.topic).writeStream.foreachBatch(collector)
-         .option("checkpointLocation", ck).trigger(availableNow=True).start())
+    q = spark_share.drain(read_stream(spark, kafka, group, w.topic).writeStream.foreachBatch(collector)
+         .option("checkpointLocation", ck))
     assert q.awaitTermination(120)
     assert q.exception() is None
     redelivered = {json.loads(bytes(r["value"]))["id"]: r["deliveryCount"] for r in collector.rows}

@@ -21,7 +21,7 @@ from harness.support import (
     registry,
     wait_until,
 )
-from spark_share.driver.batches import ACCEPT, REJECT
+from spark_share.acknowledgement import ACCEPT, REJECT
 
 from .helpers import StubAgent, acquired, tracker
 
@@ -52,8 +52,8 @@ def test_verdicts_dead_letter_topic_that_refuses_writes_fails_the_query_and_lose
 
     collector = BatchCollector()
     group, ck = kafka.group(gid()), str(tmp_path / "ck")
-    q = (read_stream(spark, kafka, group, w.topic, deadLetterTopic=dead).writeStream.foreachBatch(process)
-         .option("checkpointLocation", ck).trigger(availableNow=True).start())
+    q = spark_share.drain(read_stream(spark, kafka, group, w.topic, deadLetterTopic=dead).writeStream.foreachBatch(process)
+         .option("checkpointLocation", ck))
     with pytest.raises(Exception, match="deadLetterTopic"):
         q.awaitTermination(120)
     kafka.clear_request_errors("Produce")
@@ -62,8 +62,8 @@ def test_verdicts_dead_letter_topic_that_refuses_writes_fails_the_query_and_lose
     # run's sessions.
     wait_until(lambda: not any(psutil.pid_exists(p) for p in first_agents), timeout=60,
                message="the failed run's processes did not exit")
-    q = (read_stream(spark, kafka, group, w.topic, deadLetterTopic=dead).writeStream.foreachBatch(process)
-         .option("checkpointLocation", ck).trigger(availableNow=True).start())
+    q = spark_share.drain(read_stream(spark, kafka, group, w.topic, deadLetterTopic=dead).writeStream.foreachBatch(process)
+         .option("checkpointLocation", ck))
     assert q.awaitTermination(120)
     assert q.exception() is None
     report = check_no_loss(w.ids, collector.ids, duplicates_reason="the first run's batch, released after its "

@@ -12,6 +12,7 @@ import os
 
 import pytest
 
+import spark_share
 from harness.support import (
     BatchCollector,
     Workload,
@@ -58,8 +59,8 @@ def test_row13_a_replayed_batch_reads_nothing_so_an_idempotent_writer_loses_noth
     taken = ids_of({"value": v} for _, _, _, _, v in other)
     assert 0 < len(taken) < len(written[0]), "the other member should take part of the released batch"
     w.produce(200)
-    q = (read_stream(spark, kafka, group, w.topic).writeStream.foreachBatch(idempotent_write)
-         .option("checkpointLocation", ck).trigger(availableNow=True).start())
+    q = spark_share.drain(read_stream(spark, kafka, group, w.topic).writeStream.foreachBatch(idempotent_write)
+         .option("checkpointLocation", ck))
     assert q.awaitTermination(180)
     assert q.exception() is None
     replay = q.recentProgress[0]
@@ -89,9 +90,9 @@ def test_row14_an_action_on_a_batch_after_it_committed_acquires_nothing(spark, k
             except Exception as e:
                 late.append(str(e))
 
-    q = (read_stream(spark, kafka, kafka.group(gid()), w.topic, maxRecordsPerTrigger=2).writeStream
+    q = spark_share.drain(read_stream(spark, kafka, kafka.group(gid()), w.topic, maxRecordsPerTrigger=2).writeStream
          .foreachBatch(process)
-         .option("checkpointLocation", str(tmp_path / "ck")).trigger(availableNow=True).start())
+         .option("checkpointLocation", str(tmp_path / "ck")))
     assert q.awaitTermination(180)
     assert q.exception() is None
     assert len(late) == 1 and isinstance(late[0], str), f"the late action returned {late}"
@@ -108,19 +109,20 @@ def test_row15_the_file_sink_skips_a_replayed_batch_and_loses_nothing(spark, kaf
     w.produce(200)
     group, ck, out = kafka.group(gid()), str(tmp_path / "ck"), str(tmp_path / "out")
 
-    def run(**trigger):
-        q = (read_stream(spark, kafka, group, w.topic).writeStream.format("parquet").option("path", out)
-             .option("checkpointLocation", ck).trigger(**trigger).start())
+    def run(drain: bool):
+        writer = (read_stream(spark, kafka, group, w.topic).writeStream.format("parquet").option("path", out)
+                  .option("checkpointLocation", ck))
+        q = spark_share.drain(writer) if drain else writer.trigger(once=True).start()
         assert q.awaitTermination(120)
         assert q.exception() is None
         return q
 
-    run(once=True)
+    run(drain=False)
     assert sorted(f for f in os.listdir(os.path.join(ck, "commits")) if not f.endswith(".crc")) == ["0"]
     for f in ("0", ".0.crc"):  # the crash: Spark never wrote batch 0's commit (nor its checksum)
         os.unlink(os.path.join(ck, "commits", f))
     w.produce(100)
-    q = run(availableNow=True)
+    q = run(drain=True)
     assert q.recentProgress[0]["batchId"] == 0 and q.recentProgress[0]["numInputRows"] == 0
     rows = ids_of(spark.read.parquet(out).collect())
     # Batch 0 was in the commit log when the Trigger.Once run ended: ACCEPTed, not released.

@@ -48,5 +48,6 @@ def test_row10_batch_outlives_the_lock_and_batches_shrink(spark, kafka, tmp_path
     expired = [int(n) for n in re.findall(r"spark-share batch \d+ \(group [^)]+\): acquired \d+, accepted \d+, "
                                           r"released \d+, rejected \d+, expired (\d+)", log)]
     assert log.count("locks expired before the batch committed") == sum(1 for n in expired if n), "not once per batch"
-    assert expired[-2:] == [0, 0], f"expiries did not stop once batches shrank: {expired}"
+    # The expiry is behind the run: the batches after the smaller size took effect kept their locks.
+    assert expired[0] > 0 and expired[-1] == 0, f"expiries did not stop once batches shrank: {expired}"
     check_no_loss(w.ids, collector.ids, duplicates_reason="records whose lock expired in the first batch")

@@ -79,8 +79,8 @@ def test_row2_stop_mid_batch_releases_at_once_and_leaves_nothing_running(spark, 
 
     # Restart: replays the uncommitted batch and then drains the rest.
     kafka.set_record_lock_duration(30_000)
-    q = (read_stream(spark, kafka, group, w.topic).writeStream.format("parquet").option("path", out)
-         .option("checkpointLocation", ck).trigger(availableNow=True).start())
+    q = spark_share.drain(read_stream(spark, kafka, group, w.topic).writeStream.format("parquet").option("path", out)
+         .option("checkpointLocation", ck))
     assert q.awaitTermination(120)
     assert q.exception() is None
     check_no_loss(w.ids, ids_of(spark.read.parquet(out).collect()),

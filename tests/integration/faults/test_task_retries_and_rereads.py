@@ -10,6 +10,7 @@ import uuid
 
 import pytest
 
+import spark_share
 from harness.support import (
     BatchCollector,
     Workload,
@@ -58,8 +59,8 @@ def test_row6_two_actions_and_a_task_retry_see_the_same_rows(spark, kafka, tmp_p
 
     df = read_stream(spark, kafka, kafka.group(uid("g")), w.topic)
     df = df.mapInArrow(fail_first_attempt, df.schema)
-    q = (df.writeStream.foreachBatch(two_actions).option("checkpointLocation", str(tmp_path / "ck"))
-         .trigger(availableNow=True).start())
+    q = spark_share.drain(df.writeStream.foreachBatch(two_actions).option("checkpointLocation", str(tmp_path / "ck"))
+         )
     assert q.awaitTermination(120)
     assert q.exception() is None
     assert counts and all(n == m == d for n, m, d in counts.values()), counts
@@ -76,8 +77,7 @@ def test_row6_two_actions_and_a_task_retry_see_the_same_rows(spark, kafka, tmp_p
         assert len(first) == 2 and len(retry) == 2, "the injected failures and their retries did not all happen"
         assert first[0] == first[1] == retry[0] == retry[1]
     assert slots_with_data >= 1
-    progress = q.recentProgress[-1]["sources"][0]["latestOffset"]
-    progress = json.loads(progress) if isinstance(progress, str) else progress
+    progress = source_progress(q)
     assert progress["acquired"] == 400, "re-reads acquired extra records"
     assert check_no_loss(w.ids, delivered).duplicates == 0
 

@@ -20,6 +20,7 @@ from harness.support import (
     gid,
     id_col,
     read_stream,
+    source_progress,
     wait_until,
 )
 
@@ -39,8 +40,8 @@ def test_verdicts_reject_release_and_accept(spark, kafka, tmp_path):
         spark_share.release(df.where("id % 10 = 1 AND deliveryCount = 1"))
 
     group = kafka.group(gid())
-    q = (read_stream(spark, kafka, group, w.topic, deadLetterPath=dlq).writeStream.foreachBatch(process)
-         .option("checkpointLocation", str(tmp_path / "ck")).trigger(availableNow=True).start())
+    q = spark_share.drain(read_stream(spark, kafka, group, w.topic, deadLetterPath=dlq).writeStream.foreachBatch(process)
+         .option("checkpointLocation", str(tmp_path / "ck")))
     assert q.awaitTermination(120)
     assert q.exception() is None
     seen = [(r["id"], r["deliveryCount"]) for r in collector.rows]
@@ -53,8 +54,7 @@ def test_verdicts_reject_release_and_accept(spark, kafka, tmp_path):
     report = check_no_loss(w.ids, [i for i, _ in seen], duplicates_reason="each released row is seen twice")
     assert report.duplicates == len(released)
     # The broker was told REJECT, RELEASE and ACCEPT, and confirmed each.
-    latest = q.recentProgress[-1]["sources"][0]["latestOffset"]
-    latest = json.loads(latest) if isinstance(latest, str) else latest
+    latest = source_progress(q)
     assert (latest["rejected"], latest["released"], latest["accepted"], latest["failed"]) == \
         (len(rejected), len(released), len(w.ids) - len(rejected), 0), latest
     # Every rejected record is in the dead-letter table, with its reason.
