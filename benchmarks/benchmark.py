@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))  # harness: the Kafka to run on, the resource sampler
 
-from harness.kafka_cluster import EmbeddedCluster, ExternalCluster, parse_options  # noqa: E402
+from harness.kafka_cluster import EmbeddedCluster, ExternalCluster, cluster_options  # noqa: E402
 from harness.resources import process_kind  # noqa: E402
 from spark_share.embedded import EmbeddedKafka  # noqa: E402  (the repository, put on the path above)
 
@@ -438,12 +438,7 @@ def main(argv=None):
     ap.add_argument("--skip", default="",
                     help="comma-separated sections to skip: throughput,ceiling,scaling,startup,batchsize,latency,idle,decode")
     args = ap.parse_args(argv)
-    args.kafka_options = {}
-    for i, o in enumerate(args.kafka_option, start=1):
-        try:  # errors name the option by its position: its value may be a credential
-            args.kafka_options.update(parse_options(o, f"--kafka-option number {i}", "--bootstrap-servers"))
-        except ValueError as e:
-            ap.error(str(e))
+    args.kafka_options = cluster_options(ap, args)  # errors name an option by its position: it may be a credential
     skip = set(filter(None, args.skip.split(",")))
     os.makedirs(args.out, exist_ok=True)
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)

@@ -36,7 +36,7 @@ import uuid
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # the repository, and the test harness
 
-from harness.kafka_cluster import ExternalCluster, parse_options  # noqa: E402
+from harness.kafka_cluster import ExternalCluster, add_cluster_arguments, cluster_options  # noqa: E402
 from harness.kafka_kit import KitCluster  # noqa: E402
 from harness.throttle import HOW, bring_past_throttle, producer_offsets, raw_drain  # noqa: E402
 
@@ -131,11 +131,7 @@ def report(results: dict) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    where = ap.add_mutually_exclusive_group(required=True)
-    where.add_argument("--kafka-start", help="a broker start script with the kit's interface (../shared/kafka/bin/start.sh)")
-    where.add_argument("--bootstrap-servers", help="a Kafka >= 4.2 cluster of yours")
-    ap.add_argument("--kafka-option", action="append", default=[], metavar="K=V",
-                    help="a client config for your cluster; repeatable; @FILE reads them from FILE")
+    add_cluster_arguments(ap)
     ap.add_argument("--how", default=",".join(HOW), help=f"comma-separated, of {', '.join(HOW)}")
     ap.add_argument("--deliveries", type=int, default=3,
                     help="deliveries before the drain (3: past Kafka's throttle; 4: the drain is the last attempt)")
@@ -148,12 +144,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--out", default="bench-out/recovery")
     args = ap.parse_args(argv)
-    args.kafka_options = {}
-    for i, o in enumerate(args.kafka_option, start=1):
-        try:
-            args.kafka_options.update(parse_options(o, f"--kafka-option number {i}", "--bootstrap-servers"))
-        except ValueError as e:
-            ap.error(str(e))
+    args.kafka_options = cluster_options(ap, args)
     os.makedirs(args.out, exist_ok=True)
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     from pyspark.sql import SparkSession

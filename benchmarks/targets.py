@@ -39,7 +39,7 @@ import uuid
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchmark as bench  # noqa: E402  (puts the repository and tests/ on the path)
 
-from harness.kafka_cluster import ExternalCluster, parse_options  # noqa: E402
+from harness.kafka_cluster import ExternalCluster, add_cluster_arguments, cluster_options  # noqa: E402
 from harness.kafka_kit import KitCluster  # noqa: E402
 
 LOCKS_PROP = "group.share.partition.max.record.locks"
@@ -197,11 +197,7 @@ def short_lock(spark, kafka, args, tmp: str) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    where = ap.add_mutually_exclusive_group(required=True)
-    where.add_argument("--kafka-start", help="a broker start script with the kit's interface (../shared/kafka/bin/start.sh)")
-    where.add_argument("--bootstrap-servers", help="a Kafka >= 4.2 cluster of yours")
-    ap.add_argument("--kafka-option", action="append", default=[], metavar="K=V",
-                    help="a client config for your cluster; repeatable; @FILE reads them from FILE")
+    add_cluster_arguments(ap)
     ap.add_argument("--locks", default="2000,10000",
                     help="record locks per partition: the brokers to start, or what your cluster has (one value)")
     ap.add_argument("--records", type=int, default=1_000_000)
@@ -212,12 +208,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", default="", help="comma-separated: startup,shortlock")
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args(argv)
-    args.kafka_options = {}
-    for i, o in enumerate(args.kafka_option, start=1):
-        try:
-            args.kafka_options.update(parse_options(o, f"--kafka-option number {i}", "--bootstrap-servers"))
-        except ValueError as e:
-            ap.error(str(e))
+    args.kafka_options = cluster_options(ap, args)
     args.slots = [int(s) for s in args.slots.split(",") if s]
     lock_settings = [int(x) for x in args.locks.split(",")]
     if args.bootstrap_servers and len(lock_settings) != 1:

@@ -16,7 +16,7 @@ import warnings
 
 from pyspark.sql.streaming import StreamingQueryListener
 
-from .. import connect, runtime
+from .. import connect, runtime, spark_versions
 from ..offsets import reported
 from ..transport.protocol import Committed, call_async
 from . import client, drain
@@ -92,6 +92,8 @@ class ServerCommitListener(StreamingQueryListener):
         self._drain(str(event.id))
 
     def _drain(self, query_id: str) -> None:
+        if spark_versions.NATIVE_AVAILABLE_NOW:  # drain() is Trigger.AvailableNow there: nothing is marked
+            return
         try:
             spark = self._session()
             if drain.marked(spark, query_id):

@@ -293,3 +293,24 @@ def parse_options(text: str, where: str, address_from: str) -> dict[str, str]:
                                 else "each test or run names its own groups"))
         options[key] = value.strip()
     return options
+
+
+def add_cluster_arguments(ap) -> None:
+    """A benchmark's choice of Kafka: ``--kafka-start`` (a broker of the kit's interface it starts) or
+    ``--bootstrap-servers`` (a cluster of yours), with ``--kafka-option`` client configs for the latter."""
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--kafka-start", help="a broker start script with the kit's interface (../shared/kafka/bin/start.sh)")
+    where.add_argument("--bootstrap-servers", help="a Kafka >= 4.2 cluster of yours")
+    ap.add_argument("--kafka-option", action="append", default=[], metavar="K=V",
+                    help="a client config for your cluster; repeatable; @FILE reads them from FILE")
+
+
+def cluster_options(ap, args) -> dict[str, str]:
+    """The ``--kafka-option`` entries as one dict (an entry that does not parse ends the program via ``ap``)."""
+    out: dict[str, str] = {}
+    for i, o in enumerate(args.kafka_option, start=1):
+        try:
+            out.update(parse_options(o, f"--kafka-option number {i}", "--bootstrap-servers"))
+        except ValueError as e:
+            ap.error(str(e))
+    return out

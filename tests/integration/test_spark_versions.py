@@ -8,6 +8,10 @@ read limit: the source keeps the start (a restart goes on after the checkpoint's
 ``maxRecordsPerTrigger`` itself."""
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 
 import spark_share
@@ -111,6 +115,13 @@ def test_status_and_prompt_acknowledgement_without_source_progress(spark, kafka,
                    message="the batch was not acknowledged within 20 s of its commit under a 60 s trigger")
         status = spark_share.status(q)
         assert status["query"] == str(q.id) and status["inflightRecords"] == 0, status
+        assert status["backlogEstimate"] is not None and set(status["backlog"]) == {f"{w.topic}-0", f"{w.topic}-1"}, status
+        # `spark-share status`: the queries running on this host, from their trackers.
+        cli = subprocess.run([sys.executable, "-m", "spark_share.cli", "status", "--json"], capture_output=True,
+                             text=True, timeout=60)
+        assert cli.returncode == 0, cli.stderr[-2000:]
+        listed = [json.loads(line) for line in cli.stdout.splitlines() if line.startswith("{")]
+        assert [st["accepted"] for st in listed if st.get("query") == str(q.id)] == [200], cli.stdout[-2000:]
     finally:
         q.stop()
     assert drain_share_group(kafka, group, [w.topic], timeout=3) == []
