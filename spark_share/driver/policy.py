@@ -223,23 +223,19 @@ class BatchPolicy:
             per_slot = self.lock_safe_records if per_slot is None else min(per_slot, self.lock_safe_records)
         return [per_slot] * b.slots
 
-    def grant(self, b: BatchState, slot: int, carrying: int, carried_ms: float = 0.0) -> int | None:
+    def grant(self, b: BatchState, slot: int, carrying: int) -> int | None:
         """How many records the first read of ``slot`` may hand out (None: no cap).
 
         Kafka hands a fetch whole producer batches, so a session may hold far more than a batch may
-        take; what it cannot hand out before the records grow old would be released, and each release
+        take; what it cannot hand out before the records grow old is released, and each release
         counts as a delivery (repeated, records reach Kafka's delivery throttle, then come one per
         fetch; at the delivery limit the broker archives them unread). So, under a batch cap
         (``maxRecordsPerTrigger``), the cap is shared out as reads claim their slots, a session that
         carries records first: its read may take what is left of the cap (at most the lock-safe
         records per consumer), and a slot claimed once the cap is spent polls nothing, so nothing new
-        is acquired while carried records wait. Carried records older than half the carry limit are
-        handed out in full, past the cap: a batch larger than asked for rather than a delivery spent
-        for nothing (docs/guarantees.md). A batch polled ahead (``prefetches``) keeps the even shares
-        its polls started with."""
+        is acquired while carried records wait. The cap itself is never exceeded (docs/guarantees.md).
+        A batch polled ahead (``prefetches``) keeps the even shares its polls started with."""
         share = self.slot_budgets(b)[0] if b.slots else None
-        if carrying and carried_ms >= self.carry_ms / 2:  # (but no more than a consumer's batch fits in the lock)
-            return max(share or 0, carrying if self.lock_safe_records is None else min(carrying, self.lock_safe_records))
         if b.max_records is None or b.prefetched:
             return share
         left = b.max_records - sum(v or 0 for v in b.granted.values())

@@ -156,9 +156,8 @@ class Agent:
                     continue
             # the other poll failed; try ourselves
         try:
-            carrying, carried_ms = self.pool.carrying_for(batch)
             claim, _ = call(self.tracker, Claim(batch, slot, query_id, spark_batch, connect_session,
-                                                carrying=carrying, carried_ms=round(carried_ms)), timeout=60)
+                                                carrying=self.pool.carrying_for(batch)), timeout=60)
             if claim["owner"] is None:  # acquired by an agent that is gone: no new records under this id
                 return {"rows": 0, "cached": False, "lost": True}, records.to_ipc(
                     records.empty_batch(self.config["include_headers"]))

@@ -111,11 +111,6 @@ class ShareSession:
         return len(self._carried)
 
     @property
-    def carried_ms(self) -> float:
-        """How long ago the records it carries were acquired (0 when it carries none)."""
-        return (time.time() - self._carried_at) * 1000 if self._carried else 0.0
-
-    @property
     def busy(self) -> bool:
         """Holds records nobody has asked it to acknowledge yet. Once an acknowledgement is queued
         the session may take its next poll: the queue runs the acknowledgement first."""

@@ -55,7 +55,6 @@ class Claim(Message):
     spark_batch: int | None = None
     connect_session: str | None = None  # the Spark Connect session of the reading job (foreachBatch under Connect)
     carrying: int = 0  # records the asking agent's session for this read carries from earlier polls
-    carried_ms: float = 0.0  # since they were acquired
 
 
 @dataclass

@@ -41,5 +41,6 @@ def test_pyspark_is_not_a_dependency_and_its_extra_is_the_supported_range():
 
 def test_ci_covers_every_minor_spark_below_this_one():
     """CI runs the core on the newest patch of each supported minor version besides the one of ./dev's venv."""
-    minors = {tuple(int(x) for x in c["pyspark"].split(".")[:2]) for c in RUNTIMES["ci"]}
-    assert {(4, 0), (4, 1), (4, 2)} <= minors
+    versions = [tuple(int(x) for x in c["pyspark"].split(".")) for c in RUNTIMES["ci"]]
+    assert {(4, 0), (4, 1), (4, 2)} <= {v[:2] for v in versions}
+    assert versions == sorted(versions), "the oldest first: spark_matrix.py runs its whole core (ON_THE_OLDEST) there"
