@@ -33,9 +33,10 @@ RUNTIMES = os.path.join(ROOT, "tests", "runtimes.json")
 VENVS = os.path.join(ROOT, ".venv-spark")
 TEST_TOOLS = ["pytest>=8", "psutil>=5.9", "chispa>=0.10", "nbclient>=0.10", "nbformat>=5", "ipykernel>=6"]
 # The core, on every entry: what differs between Sparks (and the version check), the source
-# (AvailableNow, drains, idle, restarts), verdicts and dead letters, the fault rows whose path runs
-# through Spark's calls (a crash after the sink's write, replays, zombie reads), the scheduled job end to
-# end and its demo, and Spark Connect.
+# (AvailableNow, drains, idle, restarts), verdicts and dead letters, the fault rows the embedded broker
+# injects (ShareFetch and ShareAcknowledge errors, the broker down, a dead-letter topic that refuses
+# writes) and those whose path runs through Spark's calls (a crash after the sink's write, replays,
+# zombie reads), the scheduled job end to end and its demo, and Spark Connect.
 JOB_RUNS = ["integration/test_job.py::test_job_end_to_end_on_the_embedded_broker",
             "integration/test_job.py::test_job_file_without_arguments_runs_the_embedded_demo"]
 CORE = [
@@ -43,20 +44,18 @@ CORE = [
     "integration/test_spark_versions.py",
     "integration/test_source.py",
     "integration/test_verdicts.py",
+    "integration/faults/test_broker_faults.py",
+    "integration/faults/test_dead_letter_failures.py",
     "integration/faults/test_crash_before_commit.py",
     "integration/faults/test_replays_and_zombie_reads.py",
     *JOB_RUNS,
     "integration/test_connect.py",
 ]
-# On the oldest entry (4.0, the one furthest from 4.3) also: the fault rows the embedded broker injects
-# (ShareFetch and ShareAcknowledge errors, the broker down, a dead-letter topic that refuses writes),
-# verdicts on batch ids that run ahead, and the rest of the job's tests (its configs, the notebook).
-# They run the same executor and wrapper code on every Spark once the reader runs. The fault rows that
-# kill or stop our own processes (agent, runner and worker kills, stop mid-batch, task retries, a short
-# lock) run on 4.3 only, both brokers.
+# On the oldest entry (4.0, the one furthest from 4.3) also: verdicts on batch ids that run ahead and
+# the rest of the job's tests (its configs, the notebook): wrapper code that runs the same way on every
+# Spark once the reader runs. The fault rows that kill or stop our own processes (agent, runner and
+# worker kills, stop mid-batch, task retries, a short lock) run on 4.3 only, both brokers.
 ON_THE_OLDEST = [t for t in CORE if t not in JOB_RUNS] + [
-    "integration/faults/test_broker_faults.py",
-    "integration/faults/test_dead_letter_failures.py",
     "integration/faults/test_user_verdicts.py",
     "integration/test_job.py",
 ]
