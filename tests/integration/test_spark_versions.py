@@ -115,7 +115,10 @@ def test_status_and_prompt_acknowledgement_without_source_progress(spark, kafka,
                    message="the batch was not acknowledged within 20 s of its commit under a 60 s trigger")
         status = spark_share.status(q)
         assert status["query"] == str(q.id) and status["inflightRecords"] == 0, status
-        assert status["backlogEstimate"] is not None and set(status["backlog"]) == {f"{w.topic}-0", f"{w.topic}-1"}, status
+        # The watermarks behind the backlog refresh at least every 10 s (watermarks.BACKLOG_REFRESH_S).
+        status = wait_until(lambda: (st := spark_share.status(q))["backlogEstimate"] is not None and st,
+                            timeout=30, message="no backlog estimate in status() within 30 s")
+        assert set(status["backlog"]) == {f"{w.topic}-0", f"{w.topic}-1"}, status
         # `spark-share status`: the queries running on this host, from their trackers.
         cli = subprocess.run([sys.executable, "-m", "spark_share.cli", "status", "--json"], capture_output=True,
                              text=True, timeout=60)
