@@ -6,8 +6,8 @@ client, and the pyarrow, pandas, numpy and cryptography it ships), then the spar
 user installs it (``pip install spark_share-*.whl``), then a check that pip left the runtime's packages
 as they were (the wheel must not replace a runtime's PySpark), then the test tools, then the core tests
 on the embedded broker (``CORE`` below, ``ON_THE_OLDEST`` on the first entry; docs/testing.md says why
-these). The tests import the installed
-wheel: pytest runs from tests/, so the repository's own spark_share/ is not on the path.
+these). The tests import the installed wheel: pytest runs from tests/, so the repository's own
+spark_share/ is not on the path.
 
     .venv/bin/python tests/harness/spark_matrix.py                 # every entry
     .venv/bin/python tests/harness/spark_matrix.py --only 4.0.5 -- -k drain   # one, and pytest arguments
