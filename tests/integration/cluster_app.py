@@ -36,9 +36,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--conf", action="append", default=[], help="extra Spark conf key=value")
     ap.add_argument("--option", action="append", default=[], help="extra kafka-share option key=value")
     ap.add_argument("--slow-first-attempt", type=float, default=0.0,
-                    help="the first attempt of each batch's task 0 sleeps this long in the count (speculation)")
+                    help="the first attempt to see a row in each batch's count sleeps this long (speculation)")
     ap.add_argument("--fail-first-attempt", type=int, default=None, metavar="BATCH",
-                    help="the first attempt of this batch's task 0 fails in the count (a task retry)")
+                    help="the first attempt to see a row in this batch's count fails (a task retry)")
     ap.add_argument("--crash-after-write", type=int, default=None, metavar="BATCH",
                     help="foreachBatch raises after writing this batch, once; the query restarts from its checkpoint")
     args = ap.parse_args(argv)
@@ -69,8 +69,9 @@ def main(argv: list[str]) -> int:
     def attempt_marker(fail: bool):
         def keep(value) -> bool:
             """Keeps every row. Leaves <shared>/attempts/<stage>-<partition>-<attempt> holding the host's
-            name (every host sees <shared>). The first attempt of partition 0 is slow, so that Spark
-            launches a speculative copy, or fails, so that Spark retries it."""
+            name (every host sees <shared>). The first attempt to see a row in each stage is slow, so
+            that Spark launches a speculative copy, or fails, so that Spark retries it. (Not a fixed
+            partition: a read task may have no rows, and then it never calls this.)"""
             import socket
 
             from pyspark import TaskContext
@@ -81,12 +82,21 @@ def main(argv: list[str]) -> int:
                 os.makedirs(os.path.dirname(mark), exist_ok=True)
                 with open(mark, "w") as f:
                     f.write(socket.gethostname())
-                if tc.partitionId() == 0 and tc.attemptNumber() == 0:
+                if tc.attemptNumber() == 0 and _first_in_stage(tc.stageId()):
                     if fail:
                         raise RuntimeError("the first attempt of this task fails (cluster test)")
                     time.sleep(slow_s)
             return True
         return keep
+
+    def _first_in_stage(stage: int) -> bool:
+        """True for one caller per stage, across hosts (O_EXCL on the shared directory)."""
+        os.makedirs(os.path.join(shared, "first"), exist_ok=True)
+        try:
+            os.close(os.open(os.path.join(shared, "first", str(stage)), os.O_CREAT | os.O_EXCL))
+            return True
+        except FileExistsError:
+            return False
 
     def process(batch, batch_id):
         from pyspark.sql import functions as F
@@ -95,7 +105,7 @@ def main(argv: list[str]) -> int:
         if slow_s or fail:
             # A filter, so that the optimizer cannot drop the UDF from the count.
             keep = F.udf(attempt_marker(fail), "boolean")
-            n = batch.where(keep("value")).count()  # first action, its task 0 slow or failing at first
+            n = batch.where(keep("value")).count()  # first action, one task slow or failing at first
         else:
             n = batch.count()  # first action
         (batch.select("key", "value", "topic", "partition", "offset", "deliveryCount")

@@ -141,11 +141,12 @@ def test_drain_on_three_hosts(cluster, kafka, tmp_path):
 
 
 def test_a_task_retried_on_another_host_and_a_crash_after_the_write(cluster, kafka):
-    """Batch 1: the first attempt of its first action's task 0 fails, and Spark retries it on another
-    host (excludeOnFailure: one attempt per host); the retry reads the first attempt's rows (the
-    slot's records stay with the agent that acquired them). Batch 2: foreachBatch raises after its
-    write, so the sink has the rows and Spark's commit log does not; the query restarts from its
-    checkpoint, and every one of those records comes back (deliveryCount 2). Nothing is lost."""
+    """Batch 1: in its first action, the first task attempt to see a row fails (not a fixed task: a
+    read task may have no rows), and Spark retries it on another host (excludeOnFailure: one attempt
+    per host); the retry reads the first attempt's rows (the slot's records stay with the agent that
+    acquired them). Batch 2: foreachBatch raises after its write, so the sink has the rows and Spark's
+    commit log does not; the query restarts from its checkpoint, and every one of those records comes
+    back (deliveryCount 2). Nothing is lost."""
     w = Workload(kafka, "retry", partitions=4)
     ids = w.produce(1200)
     group = kafka.group(gid())
@@ -176,12 +177,13 @@ def test_a_task_retried_on_another_host_and_a_crash_after_the_write(cluster, kaf
     assert report.duplicates == len(crashed), f"{report}: only the {len(crashed)} records of the batch that failed " \
         "after its write may come twice"
     print(f"task retried on another host: {retried}; {len(crashed)} records written by the batch that failed, "
-          f"all back with deliveryCount >= 2 after the restart; {report.duplicates} delivered twice")
+          f"all back with deliveryCount >= 2 after the restart; {report.duplicates} delivered twice; rows per "
+          f"(run, batch, task) {sorted(Counter((r['run'], r['batch'], r['task']) for r in rows).items())}")
     assert drain_share_group(kafka, group, [w.topic], timeout=3) == []
 
 
 def test_speculative_reads_see_the_same_rows_and_acquire_nothing_extra(cluster, kafka):
-    """spark.speculation=true, and the first attempt of every batch's first task is slow: Spark
+    """spark.speculation=true, and in every batch the first attempt to see a row is slow: Spark
     runs a copy on another host. The copy claims the slot the first attempt read, so it gets the
     same rows from that attempt's agent (nothing polled twice): every batch's count equals its
     write and the records the tracker says the batch acquired."""
