@@ -1,7 +1,7 @@
 """Recovery at the broker's pace: records past Kafka 4.2's delivery throttle, drained by kafka-share and
 by raw share-consumer loops on the same state (each in a group of its own), side by side in one run.
 
-    .venv/bin/python benchmarks/recovery.py --kafka-start ../shared/kafka/bin/start.sh [--rounds 2]
+    KAFKA_HOME=~/kafka_2.13-4.2.1 .venv/bin/python benchmarks/recovery.py --kafka-start tests/harness/kafka_dist/start.sh [--rounds 2]
     .venv/bin/python benchmarks/recovery.py --bootstrap-servers broker:9092 [--kafka-option K=V ...]
 
 For each way of getting there (``--how``: ``expired``, each delivery held past its lock; ``lost``, a

@@ -1,7 +1,7 @@
 """The speed targets on a real Kafka broker, side by side in one run: kafka-share, a raw share-consumer
 loop, and Spark's floor (a Python source yielding prebuilt Arrow batches) at the same batch size.
 
-    .venv/bin/python benchmarks/targets.py --kafka-start ../shared/kafka/bin/start.sh [--rounds 2]
+    KAFKA_HOME=~/kafka_2.13-4.2.1 .venv/bin/python benchmarks/targets.py --kafka-start tests/harness/kafka_dist/start.sh [--rounds 2]
     .venv/bin/python benchmarks/targets.py --bootstrap-servers broker:9092 [--kafka-option K=V ...]
 
 With ``--kafka-start`` it starts one broker per lock setting (``group.share.partition.max.record.locks``

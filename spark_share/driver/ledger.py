@@ -125,6 +125,7 @@ class BatchLedger:
                                   "acquired_at": m.acquired_at, "offsets": m.offsets, "timed_out": m.timed_out,
                                   "reported_at": time.time(), "convert_ms": m.convert_ms}
             self.policy.acquired(m.offsets, m.redelivered, (agent_id, m.session), m.carried)
+            self.policy.answered_empty(m.answered)
             limit = self.max_delivery_count
             for t, p, o, count in m.poison:
                 b.verdicts[(t, int(p), int(o))] = (REJECT, f"deliveryCount {count} reached maxDeliveryCount {limit}")

@@ -24,6 +24,12 @@ AVAILABLE_NOW_EMPTY_RETRIES = 5
 # its polls (they run out of time: a first fetch behind a big backlog, an assignment still to come)
 # before it fails saying so.
 AVAILABLE_NOW_UNANSWERED_S = 120.0
+# How long an AvailableNow run goes on with partitions that no poll of its own has answered (see
+# ``BatchPolicy.unresolved``): the tracker closes idle consumers of the query that hold them, and
+# the broker hands them to polled ones within a heartbeat (5 s by default, at most 15 s). What no
+# poll of the query answers by then is held elsewhere (another member of the group): the run ends
+# and says which partitions it left.
+AVAILABLE_NOW_UNRESOLVED_S = 60.0
 # Kafka's default group.share.record.lock.duration.ms. The client cannot read the group's value, so
 # the policy assumes this until a lock expiry shows it is shorter.
 DEFAULT_LOCK_MS = 30_000
@@ -88,6 +94,11 @@ class BatchPolicy:
         # stream is not idle, nor an AvailableNow run done, while any are carried.
         self.carried: dict[tuple[str, str | None], int] = {}  # (agent, session) -> records
         self.unanswered_since: float | None = None  # time.monotonic() of the first of the polls the broker answered none of
+        # AvailableNow: partitions a poll of ours found empty (see ``unresolved``), since the
+        # unresolved ones were first found, and those the run gave up waiting for.
+        self.answered: set[Partition] = set()
+        self.unresolved_since: float | None = None
+        self.left_unread: list[Partition] = []
         # Set once an AvailableNow run has seen everything: one last batch without tasks acknowledges
         # the previous one and reports the totals in its progress, without an empty poll.
         self.closing = False
@@ -111,6 +122,21 @@ class BatchPolicy:
         """Has this AvailableNow run acquired every record below the start's high watermarks?"""
         target = self.available_now_target or {}
         return all(self.max_seen.get(tp, -1) >= hw - 1 for tp, hw in target.items() if hw > 0)
+
+    def answered_empty(self, partitions) -> None:
+        """A poll of ours came back empty after the broker answered a fetch for these partitions (the
+        session's assignment): nothing of theirs was available to this query then."""
+        self.answered.update((t, int(p)) for t, p in partitions)
+
+    def unresolved(self) -> list[Partition]:
+        """Partitions of an AvailableNow run's target with records below the start's high watermark that
+        the run has neither seen nor had answered empty by a poll of its own. A partition that no
+        consumer of the query polls (a member that holds its assignment but serves no read task, a
+        rebalance under way, another member of the group) stays here: an empty batch is no sign that
+        it is drained (issue 41: a drain ended with a partition unread, its member never polled)."""
+        target = self.available_now_target or {}
+        return sorted(tp for tp, hw in target.items()
+                      if hw > 0 and self.max_seen.get(tp, -1) < hw - 1 and tp not in self.answered)
 
     def needs_acknowledgements(self, last: BatchState | None) -> bool:
         """Must the broker's answers to ``last``'s acknowledgements be in before deciding? In an
@@ -147,9 +173,7 @@ class BatchPolicy:
         if last is not None and last.timed_out and not self.max_seen and any(hw > 0 for hw in target.values()):
             # Nothing acquired yet, and the broker answered none of the polls (a first fetch behind a
             # big backlog can outlast one): not an empty queue. Ending here would drain nothing of a
-            # full one; go on, for AVAILABLE_NOW_UNANSWERED_S at most. (Once records came, an empty
-            # batch is judged as below: on the embedded broker, members that join and leave on a
-            # cluster of hosts let later polls run out of time with the queue drained.)
+            # full one; go on, for AVAILABLE_NOW_UNANSWERED_S at most.
             self.unanswered_since = self.unanswered_since if self.unanswered_since is not None else now
             if now - self.unanswered_since > AVAILABLE_NOW_UNANSWERED_S:
                 raise SourceError(
@@ -159,20 +183,38 @@ class BatchPolicy:
                     "'pollTimeoutMs'")
             return True
         self.unanswered_since = None
+        unresolved = self._waiting_for(now)
         if last is None or last.rows == 0:
-            # An empty poll can be a slow broker, not an empty queue: go on (a few times) while a
-            # partition this run has been reading still has records below the start's watermark.
             self.empty_streak += 1
-            behind = [tp for tp, seen in self.max_seen.items() if seen < target.get(tp, 0) - 1]
-            due = bool(behind) or self.redeliveries_due > 0 or self.carrying > 0
+            if unresolved:
+                return True
+            # Every partition is seen through its start's watermark or was answered empty: only records
+            # this run gave back (or carries) are due; a few empty batches wait for them.
+            due = self.redeliveries_due > 0 or self.carrying > 0
             return due and self.empty_streak <= AVAILABLE_NOW_EMPTY_RETRIES
         self.empty_streak = 0
         # Stop at once when every record below the start's watermarks has been seen (saves the empty
-        # batch that would otherwise prove it), or once a batch brought only newer records.
+        # batch that would otherwise prove it), or once a batch brought only newer records and no
+        # partition is still to be answered.
         if self.redeliveries_due == 0 and not self.carrying and self.seen_all():
             self.closing = True
             return True
-        return self.carrying > 0 or any(lo < target.get(tp, 0) for tp, lo in last.min_offsets().items())
+        return (self.carrying > 0 or bool(unresolved)
+                or any(lo < target.get(tp, 0) for tp, lo in last.min_offsets().items()))
+
+    def _waiting_for(self, now: float) -> list[Partition]:
+        """The unresolved partitions the run still waits for: for AVAILABLE_NOW_UNRESOLVED_S at most since
+        it first found one, after which what is left is reported (``left_unread``) and the run may end."""
+        unresolved = self.unresolved()
+        if not unresolved:
+            self.unresolved_since = None
+            return []
+        if self.unresolved_since is None:
+            self.unresolved_since = now
+        if now - self.unresolved_since <= AVAILABLE_NOW_UNRESOLVED_S:
+            return unresolved
+        self.left_unread = unresolved
+        return []
 
     def planned(self, hw_version: int, now: float) -> None:
         self.planned_any = True
@@ -266,6 +308,7 @@ class BatchPolicy:
             for p, runs in parts.items():
                 k = (t, int(p))
                 self.max_seen[k] = max(runs[-1][1], self.max_seen.get(k, -1))
+                self.answered.discard(k)  # records came: its last answer was not empty
         self.redeliveries_due = max(0, self.redeliveries_due - redelivered)
 
     def acknowledged(self, b: BatchState) -> None:

@@ -50,7 +50,14 @@ from .agents import AgentRoster, agent_of, one_host
 from .batches import ACKING, FINISHED, BatchState
 from .commitlog import CommitLog
 from .ledger import BatchLedger
-from .policy import DEFAULT_RECORD_LOCKS, PARALLELISM_ENV, BatchPolicy, default_slots, task_slots
+from .policy import (
+    AVAILABLE_NOW_UNRESOLVED_S,
+    DEFAULT_RECORD_LOCKS,
+    PARALLELISM_ENV,
+    BatchPolicy,
+    default_slots,
+    task_slots,
+)
 from .registration import Registration
 from .watermarks import MetadataWatcher
 
@@ -89,6 +96,7 @@ class Tracker:
         # Why this query's reads are refused before they acquire anything (a trigger this Spark cannot run).
         self.refusal: str | None = None
         self._drain_decided = -2  # the batch after which a drain last decided whether it goes on
+        self._left_reported = False  # a drain that ended with partitions unanswered said so
         self.commit_log: CommitLog | None = None  # Spark's commit log of the query, once the listener noted it
         # Created before the watcher, whose thread asks it whether the stream is idle; the slots are
         # known once the watcher has listed the partitions.
@@ -229,7 +237,7 @@ class Tracker:
                 # Every batch is acknowledged: decide now, once per batch, whether the drain goes on,
                 # rather than at the next latestOffset (the listener asks again only at the next event).
                 self._drain_decided = latest.batch
-                self.policy.should_run(latest, self.metadata.version, time.monotonic())
+                self._decide(latest)
             # Done once the run plans nothing more (or only its last batch, which reads nothing) and
             # every batch is acknowledged.
             drained = settled and (self.policy.finished or self.policy.closing)
@@ -263,7 +271,21 @@ class Tracker:
         if wait:
             self.ledger.wait_acked(last_batch, timeout=self._ack_wait_s)
         with self.ledger.lock:
-            return self.policy.should_run(self.batches.get(last_batch), self.metadata.version, time.monotonic())
+            return self._decide(self.batches.get(last_batch))
+
+    def _decide(self, last: BatchState | None) -> bool:
+        """The policy's answer for a batch after ``last``; a drain that ends with partitions no poll of
+        the query answered says so, once. Call with the ledger's lock held."""
+        goes_on = self.policy.should_run(last, self.metadata.version, time.monotonic())
+        if not goes_on and self.policy.left_unread and not self._left_reported:
+            self._left_reported = True
+            left = self.policy.left_unread
+            log.warning("spark-share tracker %s: the drain ends with %d partitions that no consumer of this query "
+                        "was given for %.0f s, so records of them below the start's high watermarks may be left in "
+                        "the queue: %s. Another member of share group %r holds them (another query or consumer on "
+                        "the same group?)", self.tracker_id, len(left), AVAILABLE_NOW_UNRESOLVED_S,
+                        ", ".join(f"{t}-{p}" for t, p in left[:20]), self.opts.group_id)
+        return goes_on
 
     def plan(self, batch: int, max_records: int | None) -> BatchState | None:
         """Create ``batch`` (from latestOffset only: the one place a batch that reads is made) and start
@@ -333,6 +355,13 @@ class Tracker:
         view = self.ledger.status()
         out["batches"], out["sessions"] = view["batches"], view["sessions"]
         out["hosts"] = self.roster.hosts(view["claims"])
+        if self.policy.available_now_target is not None:
+            with self.ledger.lock:
+                unresolved = self.policy.unresolved()
+                out["drain"] = {"partitions": len(self.policy.available_now_target),
+                                "unresolved": [f"{t}-{p}" for t, p in unresolved[:20]],
+                                "unresolvedCount": len(unresolved),
+                                "leftUnread": [f"{t}-{p}" for t, p in self.policy.left_unread[:20]]}
         return out
 
     # shutdown -----------------------------------------------------------------------------

@@ -191,7 +191,8 @@ class Agent:
                     offsets={t: {str(p): runs for p, runs in parts.items()} for t, parts in acquired.items()},
                     poison=poison, redelivered=_redelivered(rb), spark_batch=spark_batch,
                     members=len(self.pool), timed_out=holding.timed_out, carried=session.carrying,
-                    convert_ms=round(convert_ms, 1)), timeout=60)
+                    convert_ms=round(convert_ms, 1), answered=[[t, p] for t, p in sorted(holding.answered)]),
+                    timeout=60)
             except BaseException:
                 if rb.num_rows:
                     session.release_all(30).result(35)

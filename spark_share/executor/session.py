@@ -226,9 +226,10 @@ class ShareSession:
             # Records a poll acquired beyond its batch's size: this poll's records, without asking the
             # broker (the client allows no poll while any record of the last one is unacknowledged).
             good, acquired_at = self._carried, self._carried_at
-            msgs, drained = good, True
+            msgs, drained, answered = good, True, frozenset[tuple[str, int]]()
         else:
-            msgs, drained = self._fetch(timeout_ms)
+            msgs, fetched = self._fetch(timeout_ms)
+            drained, answered = fetched is not None, fetched or frozenset()
             acquired_at = time.time()
             good = msgs
             if msgs and any(map(type(msgs[0]).error, msgs)):  # one C-level pass when, as nearly always, none has
@@ -244,7 +245,8 @@ class ShareSession:
         converting = time.perf_counter()
         rb, acquired = records.to_record_batch(good, self.include_headers, self._only_topic)
         holding = Holding(batch, slot, acquired, rb.num_rows, acquired_at, timed_out=not msgs and not drained,
-                          convert_s=time.perf_counter() - converting)
+                          convert_s=time.perf_counter() - converting,
+                          answered=answered if not msgs and answered else frozenset())
         if rb.num_rows:
             self.holding = holding
         return rb, holding
@@ -264,9 +266,10 @@ class ShareSession:
                  "handed out within the record lock%s", self.session_id, len(carried), time.time() - self._carried_at,
                  f" (failed for {bad})" if bad else "")
 
-    def _fetch(self, timeout_ms: int) -> tuple[list, bool]:
-        """One poll of the broker: (its messages, whether an empty answer means the queue has nothing
-        for this consumer now rather than that time ran out)."""
+    def _fetch(self, timeout_ms: int) -> tuple[list, frozenset | None]:
+        """One poll of the broker: (its messages; for an empty answer that means the queue has nothing
+        for this consumer now, rather than that time ran out, the partitions the broker answered for,
+        else None)."""
         self.polls += 1
         started = time.monotonic()
         deadline = started + timeout_ms / 1000.0
@@ -289,11 +292,12 @@ class ShareSession:
             now = time.monotonic()
             if msgs or (now >= deadline and (self._fetch_stats.steady or now >= joined_by
                                              or self._held_elsewhere(self) > JOIN_GRACE_S)):
-                return msgs, False
+                return msgs, None
             if self._failures.failure:  # the broker refused this consumer: say so, not "no records"
                 raise SourceError(self._failures.failure)
-            if self._fetch_stats.drained(started, base):
-                return msgs, True
+            answered = self._fetch_stats.drained(started, base)
+            if answered is not None:
+                return msgs, answered
 
     def _acknowledge(self, verdicts, default: int, timeout_s: float) -> AckOutcome:
         h, self.holding = self.holding, None

@@ -34,6 +34,9 @@ class Holding:
     # broker (a first fetch behind a big backlog, an assignment still to come), not an empty queue.
     timed_out: bool = False
     convert_s: float = 0.0  # the poll's messages -> Arrow
+    # An empty poll the broker answered: the partitions it answered for (nothing of theirs was
+    # available to this consumer), which lets a drain tell a drained partition from an unpolled one.
+    answered: frozenset = frozenset()
 
 
 

@@ -12,30 +12,47 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 
 STATS_INTERVAL_MS = "100"  # how often librdkafka reports the group and fetch state an empty poll ends on
 
 
-def parse_stats(text: str) -> tuple[float, tuple[bool, dict[str, int]] | None]:
-    """(when librdkafka took them, in time.monotonic() seconds; (has partitions, ShareFetch requests
-    sent per broker) once the consumer is a steady member, else None) of a statistics text."""
+Partition = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class FetchState:
+    """What one statistics text says of a steady member."""
+    assigned: bool  # it has partitions
+    sent: dict[str, int]  # ShareFetch requests sent, per broker name
+    leaders: dict[Partition, str]  # each assigned partition's leader, by broker name
+
+
+def parse_stats(text: str) -> tuple[float, FetchState | None]:
+    """(when librdkafka took them, in time.monotonic() seconds; the member's ``FetchState`` once the
+    consumer is a steady member, else None) of a statistics text. Assigned partitions are the ones
+    librdkafka marks ``desired``."""
     try:
         st = json.loads(text)
         stamped = st["ts"] / 1e6
         cgrp = st.get("cgrp") or {}
         sent = {name: b["req"]["ShareFetch"] for name, b in st["brokers"].items()
                 if b.get("req", {}).get("ShareFetch")}
+        if cgrp.get("join_state") != "steady":
+            return stamped, None
+        names = {b.get("nodeid"): name for name, b in st["brokers"].items()}
+        leaders = {(t, int(p)): names.get(v.get("leader"), "")
+                   for t, tv in (st.get("topics") or {}).items() for p, v in tv["partitions"].items()
+                   if v.get("desired") and int(p) >= 0}
     except (ValueError, KeyError, TypeError, AttributeError):
         return 0.0, None
-    if cgrp.get("join_state") != "steady":
-        return stamped, None
-    return stamped, (cgrp.get("assignment_size", 0) > 0, sent)
+    return stamped, FetchState(cgrp.get("assignment_size", 0) > 0, sent, leaders)
 
 
 class FetchStats:
     def __init__(self) -> None:
         self._stats: tuple[float, str] = (0.0, "")  # (when, text) of librdkafka's latest statistics
-        self._parsed: tuple[float, tuple[float, tuple[bool, dict[str, int]] | None]] = (0.0, (0.0, None))
+        self._parsed: tuple[float, tuple[float, FetchState | None]] = (0.0, (0.0, None))
         self.steady = False  # librdkafka has reported this consumer a steady member (with its assignment)
 
     @property
@@ -48,10 +65,10 @@ class FetchStats:
         # empty poll looks at it.
         self._stats = (time.monotonic(), text)
 
-    def state(self, since: float) -> tuple[bool, dict[str, int]] | None:
-        """(joined with partitions, ShareFetch requests sent per broker) from statistics taken after
-        ``since`` (a time.monotonic(); librdkafka stamps them on the same clock, in microseconds:
-        they may be served well after they were taken); None when there are none yet."""
+    def state(self, since: float) -> FetchState | None:
+        """The member's state from statistics taken after ``since`` (a time.monotonic(); librdkafka
+        stamps them on the same clock, in microseconds: they may be served well after they were
+        taken); None when there are none yet, or it is not a steady member."""
         when, text = self._stats
         if when <= since or not text:
             return None
@@ -62,21 +79,23 @@ class FetchStats:
             self.steady = True
         return state if stamped > since else None
 
-    def drained(self, started: float, base: dict[str, int]) -> bool:
+    def drained(self, started: float, base: dict[str, int]) -> frozenset[Partition] | None:
         """Has every broker this consumer fetches from answered a fetch sent after the poll began?
-        ``base`` holds the first counts seen after it began. A consumer in the group with no
-        partitions (more consumers than partitions on a broker that does not share them) has
-        nothing to wait for."""
+        None if not yet; else the assigned partitions those answers covered (those whose leader is
+        one of them: a partition no fetch went out for is not answered). ``base`` holds the first
+        counts seen after the poll began. A consumer in the group with no partitions (more
+        consumers than partitions on a broker that does not share them) has nothing to wait for."""
         state = self.state(started)
         if state is None:
-            return False
-        assigned, sent = state
-        if not assigned:
-            return True
+            return None
+        if not state.assigned:
+            return frozenset()
         if not base:
-            base.update(sent)
-            return False
+            base.update(state.sent)
+            return None
         # Fetches go out one at a time per broker: a count two past the first one seen after the
         # poll began means a fetch sent after it has been answered (with nothing, or poll() would
         # have returned its records).
-        return bool(sent) and all(sent.get(b, 0) >= n + 2 for b, n in base.items())
+        if not state.sent or not all(state.sent.get(b, 0) >= n + 2 for b, n in base.items()):
+            return None
+        return frozenset(tp for tp, leader in state.leaders.items() if leader in base)

@@ -74,6 +74,8 @@ class Acquired(Message):
     timed_out: bool = False  # nothing acquired because the poll ran out of time, not because the queue was empty
     carried: int = 0  # records the session acquired beyond this slot's size: its next poll's records
     convert_ms: float = 0.0  # the agent's work on these rows: messages -> Arrow -> IPC
+    # An empty poll the broker answered: the [topic, partition]s it answered for (nothing available)
+    answered: list[list] = field(default_factory=list)
 
 
 @dataclass

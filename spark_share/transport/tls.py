@@ -25,8 +25,9 @@ less than HMAC-SHA256 over the same bytes. What TLS adds is setting up a connect
 (two Ed25519 signatures and checks), once per read task and agent.
 
 OpenSSL does not allow one TLS connection to be read in one thread and written in another at the
-same moment (the reader blocks in a read while handlers reply), so the stream runs over memory
-BIOs: the SSL object is used under a lock and never while blocked on the socket.
+same moment, so a connection's TLS state sits on memory BIOs (``TlsEngine``): the SSL object is used
+under a lock and never while blocked on a socket, and the wire's one loop thread can serve every
+connection of a process without blocking on any.
 
 Must never: accept a peer that does not present the query's certificate, or put the secret or the
 key in a log line, an exception message or a file that outlives loading it.
@@ -50,7 +51,7 @@ from ..errors import AuthError, PeerConnectionError
 
 log = logging.getLogger("spark_share.transport.wire")
 
-_READY = b"\x01"  # the server's first byte: it has verified our certificate too
+READY = b"\x01"  # the server's first byte: it has verified our certificate too
 _CHUNK = 256 << 10  # plaintext encrypted per lock hold, and bytes read from the socket at once
 HANDSHAKE_TIMEOUT = 10.0
 # A frame's blob: bytes, the buffer it was received into, or a pyarrow Buffer (Arrow IPC), never copied.
@@ -116,110 +117,124 @@ def contexts(secret: str) -> tuple[ssl.SSLContext, ssl.SSLContext, bytes]:
 
 
 # --- one TLS connection ----------------------------------------------------------------------------
-class TlsStream:
-    """A TLS connection over a blocking socket, for one reading thread and any number of writers.
+class TlsEngine:
+    """The TLS state of one connection on memory BIOs, with no socket: ciphertext in (``feed``),
+    plaintext out (``read_into``), plaintext in (``encrypt``), ciphertext out. Used under ``lock``
+    by whichever thread holds it, never while blocked on a socket: the wire's loop decrypts what
+    arrives while any thread encrypts what it sends."""
 
-    The SSL object sits on memory BIOs and is only used under ``_tls_lock``, never while blocked
-    on the socket; ``_send_lock`` keeps ciphertext leaving in the order it was made.
-    """
-
-    def __init__(self, sock: socket.socket, ctx: ssl.SSLContext, server_side: bool):
-        self.sock = sock
+    def __init__(self, ctx: ssl.SSLContext, server_side: bool):
         self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
-        self._tls = ctx.wrap_bio(self._in, self._out, server_side=server_side)
-        self._tls_lock = threading.Lock()
-        self._send_lock = threading.Lock()
+        self.tls = ctx.wrap_bio(self._in, self._out, server_side=server_side)
+        self.lock = threading.Lock()
 
-    def handshake(self, pinned: bytes) -> None:
-        """Raises ``ssl.SSLError`` or ``AuthError`` if the peer does not present and prove the query's
-        certificate (``OSError`` if the socket fails or ``HANDSHAKE_TIMEOUT`` passes)."""
-        while True:
-            try:
-                self._tls.do_handshake()
-                break
-            except ssl.SSLWantReadError:
-                self._flush()
-                self._fill()
-        self._flush()
-        if self._tls.getpeercert(binary_form=True) != pinned:  # verified already; pinned twice
-            raise AuthError("the peer's certificate is not the query's")
-
-    def _fill(self) -> None:
-        data = self.sock.recv(_CHUNK)
-        with self._tls_lock:
+    def feed(self, data: bytes) -> None:
+        """Ciphertext from the peer (b"": it closed the socket)."""
+        with self.lock:
             if data:
                 self._in.write(data)
             else:
                 self._in.write_eof()
 
+    def outgoing(self) -> bytes:
+        """Ciphertext made and not yet taken (handshake messages, a key update's answer)."""
+        with self.lock:
+            return self._out.read()
+
+    def handshake(self) -> bool:
+        """One step of the handshake: True once it is done. Raises ``ssl.SSLError`` on a peer that
+        does not prove the query's certificate."""
+        with self.lock:
+            try:
+                self.tls.do_handshake()
+                return True
+            except ssl.SSLWantReadError:
+                return False
+
+    def peer_is(self, pinned: bytes) -> bool:
+        with self.lock:
+            return self.tls.getpeercert(binary_form=True) == pinned
+
+    def encrypt(self, data) -> bytes:
+        """The ciphertext of ``data`` (at most a few hundred KB: callers chunk)."""
+        with self.lock:  # the out BIO is empty whenever this lock is free
+            self.tls.write(data)
+            return self._out.read()
+
+    def read_into(self, view: memoryview) -> int | None:
+        """Plaintext into ``view``: the count (0: the peer said TLS's close), or None when no whole record
+        is in yet. Raises ``ssl.SSLError`` for a record that fails authentication."""
+        with self.lock:
+            try:
+                return cast(int, self.tls.read(len(view), view))
+            except ssl.SSLWantReadError:
+                return None
+            except ssl.SSLZeroReturnError:
+                return 0
+
+    def close_notify(self) -> bytes:
+        """TLS's close, as ciphertext to send (b"" if the session cannot say it)."""
+        with self.lock:
+            try:
+                self.tls.unwrap()
+            except ssl.SSLError:
+                pass  # the peer's close is not awaited (SSLWantReadError) or the session failed
+            return self._out.read()
+
+
+class TlsStream:
+    """A TLS connection over a blocking socket: the client's side of ``admit`` (connect() hands the
+    engine on to the wire's loop once the handshake is done), and tests and benchmarks that speak
+    frames by hand. One reading thread and any number of writers; ``_send_lock`` keeps ciphertext
+    leaving in the order it was made."""
+
+    def __init__(self, sock: socket.socket, ctx: ssl.SSLContext, server_side: bool):
+        self.sock = sock
+        self.engine = TlsEngine(ctx, server_side)
+        self._send_lock = threading.Lock()
+
+    def handshake(self, pinned: bytes) -> None:
+        """Raises ``ssl.SSLError`` or ``AuthError`` if the peer does not present and prove the query's
+        certificate (``OSError`` if the socket fails or ``HANDSHAKE_TIMEOUT`` passes)."""
+        while not self.engine.handshake():
+            self._flush()
+            self.engine.feed(self.sock.recv(_CHUNK))
+        self._flush()
+        if not self.engine.peer_is(pinned):  # verified already; pinned twice
+            raise AuthError("the peer's certificate is not the query's")
+
     def _flush(self) -> None:
         with self._send_lock:
-            with self._tls_lock:
-                out = self._out.read()
+            out = self.engine.outgoing()
             if out:
                 self.sock.sendall(out)
 
     def sendall(self, *parts: Blob) -> None:
         """Send ``parts`` as one run of bytes, however many threads send."""
         with self._send_lock:
-            ready: list[bytes] = []  # ciphertext made, in order, sent by the quarter megabyte
-            size = 0
             for part in parts:
                 with memoryview(part) as view, view.cast("B") as data:
                     for at in range(0, len(data), _CHUNK):
-                        with self._tls_lock:  # the out BIO is empty whenever this lock is free
-                            self._tls.write(data[at: at + _CHUNK])
-                            ready.append(self._out.read())
-                        size += len(ready[-1])
-                        if size >= _CHUNK:
-                            self.sock.sendall(b"".join(ready) if len(ready) > 1 else ready[0])
-                            ready, size = [], 0
-            if ready:
-                self.sock.sendall(b"".join(ready) if len(ready) > 1 else ready[0])
+                        self.sock.sendall(self.engine.encrypt(data[at: at + _CHUNK]))
 
     def recv_into(self, view: memoryview, n: int) -> int:
         """Up to ``n`` bytes into ``view``; 0 once the peer closed the connection cleanly. Raises
         ``ssl.SSLError`` for a record that fails authentication and ``PeerConnectionError`` for a
         connection cut without TLS's close."""
-        got = 0
         while True:
-            with self._tls_lock:
-                try:
-                    while got < n:  # a read returns one TLS record (16 KB) at most: take all there is
-                        k = cast(int, self._tls.read(n - got, view[got:]))  # into a buffer: a count
-                        if not k:
-                            return got  # the peer's TLS close (0 if nothing came before it)
-                        got += k
-                except ssl.SSLWantReadError:
-                    pass
-                except ssl.SSLZeroReturnError:
-                    return got
-                except ssl.SSLEOFError:
-                    if not got:
-                        raise PeerConnectionError("connection cut (no TLS close from the peer)") from None
-                answer = self._out.pending  # only a key update request makes a read write; we never send one
-            if answer and self._send_lock.acquire(blocking=False):
-                try:  # else it leaves with the next frame sent (behind the sender's frame, in order)
-                    with self._tls_lock:
-                        out = self._out.read()
-                    self.sock.sendall(out)
-                finally:
-                    self._send_lock.release()
-            if got:
+            try:
+                got = self.engine.read_into(view[:n])
+            except ssl.SSLEOFError:
+                raise PeerConnectionError("connection cut (no TLS close from the peer)") from None
+            if got is not None:
                 return got
-            self._fill()
+            self.engine.feed(self.sock.recv(_CHUNK))
 
     def close(self) -> None:
-        """Say TLS's close if the socket takes it now, then shut the socket (waking the reader)."""
+        """Say TLS's close if the socket takes it now, then shut the socket."""
         if self._send_lock.acquire(blocking=False):
             try:
-                with self._tls_lock:
-                    try:
-                        self._tls.unwrap()
-                    except ssl.SSLError:
-                        pass  # the peer's close is not awaited (SSLWantReadError) or the session failed
-                    out = self._out.read()
-                self.sock.send(out, socket.MSG_DONTWAIT)
+                self.sock.send(self.engine.close_notify(), socket.MSG_DONTWAIT)
             except (OSError, ValueError):
                 pass
             finally:
@@ -235,22 +250,27 @@ class TlsStream:
 
 
 def admit(sock: socket.socket, secret: str, server_side: bool) -> TlsStream:
-    """The TLS handshake on a connected socket, both ends verified; raises AuthError on a peer
-    without the query's certificate (OSError if the socket fails or times out)."""
+    """The TLS handshake on a connected blocking socket, both ends verified; raises AuthError on a
+    peer without the query's certificate (OSError if the socket fails or times out). The wire's
+    servers admit peers on their loop instead (``wire.RpcServer``), with the same checks."""
     server_ctx, client_ctx, pinned = contexts(secret)
     stream = TlsStream(sock, server_ctx if server_side else client_ctx, server_side)
     sock.settimeout(HANDSHAKE_TIMEOUT)
     try:
         stream.handshake(pinned)
         if server_side:
-            stream.sendall(_READY)
+            stream.sendall(READY)
         else:  # TLS 1.3 ends the client's handshake before the server has checked its certificate
             ready = bytearray(1)
-            if stream.recv_into(memoryview(ready), 1) != 1 or ready != _READY:
+            if stream.recv_into(memoryview(ready), 1) != 1 or ready != READY:
                 raise AuthError("the server closed the connection (it refused our credentials)")
     except ssl.SSLError as e:
-        raise AuthError(f"TLS handshake failed: {getattr(e, 'verify_message', None) or e.reason or e}") from None
+        raise AuthError(f"TLS handshake failed: {failure_text(e)}") from None
     except ConnectionError as e:  # a peer that hangs up mid-handshake, e.g. on our certificate
         raise AuthError(f"TLS handshake failed: {e}") from None
     sock.settimeout(None)
     return stream
+
+
+def failure_text(e: ssl.SSLError) -> str:
+    return str(getattr(e, "verify_message", None) or e.reason or e)

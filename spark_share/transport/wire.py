@@ -1,18 +1,30 @@
 """Frames and RPC between our processes (tracker, agents, read tasks, the user's process), over TLS.
 
-Owns: the frame format (a JSON header plus an optional binary blob, Arrow IPC for record data, on a
-``tls.TlsStream``), a small symmetric RPC connection where either side may call the other, the
-server that admits only peers with the query's credential, and ``connect``. The channel itself
-(credential, handshake, encryption) is ``tls``'s.
+Owns: the frame format (a JSON header plus an optional binary blob, Arrow IPC for record data), a
+symmetric RPC connection where either side may call the other, the server that admits only peers with
+the query's credential, ``connect``, and the keepalive of every connection. The channel itself
+(credential, handshake, encryption) is ``tls``'s; the thread that moves the bytes is ``loop``'s.
+
+Every connection of a process is served by that process's one loop thread (``loop.get_loop``): it
+accepts, runs servers' handshakes, reads and decrypts frames, answers keepalives and flushes what
+senders queued. Requests run on a bounded handler pool (a server's, shared by all its peers), so a
+tracker's threads do not grow with its agents. Any thread may send: it encrypts and writes what the
+socket takes at once, and queues the rest for the loop (waiting while too much is queued).
+
+Keepalive: a connection that sent nothing for a while sends a ping, which the peer's loop answers
+at once; a connection that received nothing (no frame, no byte) for ``dead_after_s`` is closed as
+dead: a peer frozen, its host gone or the network cut, which closes nothing by itself. The accept
+loop survives running out of descriptors (it logs, pauses and accepts again).
 
 A connection cut in a frame ends it (the lengths say a frame is short); a frame over the bounds
 ends it too.
 
-Must never: unpickle anything (headers are JSON, blobs are handed to Arrow), or put the secret in a
-log line or an exception message.
+Must never: unpickle anything (headers are JSON, blobs are handed to Arrow), block the loop thread,
+or put the secret in a log line or an exception message.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -20,72 +32,114 @@ import socket
 import ssl
 import struct
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from ..errors import WIRE_ERRORS, AuthError, PeerConnectionError, ProtocolError, RemoteError, wire_name
-from .tls import Blob, TlsStream, admit, contexts, new_secret
+from .loop import READ, WRITE, get_loop
+from .tls import HANDSHAKE_TIMEOUT, READY, Blob, TlsEngine, admit, contexts, failure_text, new_secret
 
 log = logging.getLogger("spark_share.transport.wire")
 
 _FRAME = struct.Struct("!IQ")  # header length, blob length
 MAX_HEADER = 64 << 20
 MAX_BLOB = 4 << 30
+_CHUNK = 256 << 10  # plaintext encrypted at once, and bytes read from a socket at once
+HIGH_WATER = 32 << 20  # ciphertext queued on one connection before its senders wait
+# A connection that received nothing for this long is dead; one that sent nothing for a quarter of it
+# sends a ping. The tracker tells its agents a bound from the group's record lock (``set_keepalive``).
+DEAD_AFTER_S = 15.0
+SWEEP_S = 0.5
+SERVER_WORKERS = 32  # a server's handler threads, whatever its number of peers
+ACCEPT_PAUSE_S = 0.5  # out of descriptors: accept again after this long
+_PAUSE_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 __all__ = ["AuthError", "RemoteError", "RpcConnection", "RpcServer", "connect", "new_secret"]
 
 
-# --- frames -----------------------------------------------------------------------------------------
-def _recv_exact(stream: TlsStream, n: int) -> bytes:
-    return bytes(_recv_into_buffer(stream, n))
+class _FrameReader:
+    """Turns plaintext into frames; a blob is received into one buffer, handed on as it is."""
+
+    def __init__(self) -> None:
+        self._expect(_FRAME.size, "prefix")
+        self._header: dict = {}
+        self._blob_len = 0
+
+    def _expect(self, n: int, part: str) -> None:
+        self._buf = bytearray(n)
+        self._view = memoryview(self._buf)
+        self._got = 0
+        self._part = part
+
+    def want(self) -> memoryview:
+        return self._view[self._got:]
+
+    def filled(self, n: int) -> tuple[dict, Blob] | None:
+        """``n`` more bytes are in ``want()``'s view: a whole frame, if one is now complete."""
+        self._got += n
+        if self._got < len(self._buf):
+            return None
+        if self._part == "prefix":
+            hl, bl = _FRAME.unpack(self._buf)
+            if hl > MAX_HEADER or bl > MAX_BLOB or hl == 0:
+                raise ProtocolError(f"oversized or empty frame ({hl} + {bl} bytes)")
+            self._blob_len = bl
+            self._expect(hl, "header")
+            return None
+        if self._part == "header":
+            header = json.loads(self._buf)
+            if not isinstance(header, dict):
+                raise ProtocolError("malformed frame header")
+            if self._blob_len:
+                self._header = header
+                self._expect(self._blob_len, "blob")
+                return None
+            self._expect(_FRAME.size, "prefix")
+            return header, b""
+        frame = (self._header, self._buf)
+        self._expect(_FRAME.size, "prefix")
+        return frame
 
 
-def _recv_into_buffer(stream: TlsStream, n: int) -> bytearray:
-    """``n`` bytes, received into one buffer that is handed on as it is (a blob is megabytes)."""
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = stream.recv_into(view[got:], n - got)
-        if k == 0:
-            raise PeerConnectionError("connection closed by peer")
-        got += k
-    return buf
-
-
-def send_frame(stream: TlsStream, header: dict, blob: Blob) -> None:
+def encode_frame(header: dict, blob: Blob) -> tuple[bytes, Blob]:
     h = json.dumps(header, separators=(",", ":")).encode()
-    prefix = _FRAME.pack(len(h), len(blob))
-    if blob:
-        stream.sendall(prefix + h, blob)
-    else:
-        stream.sendall(prefix + h)
-
-
-def recv_frame(stream: TlsStream) -> tuple[dict, Blob]:
-    hl, bl = _FRAME.unpack(_recv_exact(stream, _FRAME.size))
-    if hl > MAX_HEADER or bl > MAX_BLOB:
-        raise ProtocolError(f"oversized frame ({hl} + {bl} bytes)")
-    header = json.loads(_recv_exact(stream, hl))
-    if not isinstance(header, dict):
-        raise ProtocolError("malformed frame header")
-    return header, (_recv_into_buffer(stream, bl) if bl else b"")
+    return _FRAME.pack(len(h), len(blob)) + h, blob
 
 
 Handler = Callable[["RpcConnection", dict, Blob], tuple[dict, Blob]]
+def _ensure_sweep(loop) -> None:
+    """Start the loop's keepalive sweep (once per loop): pings, dead peers, handshakes that take too long."""
+    if getattr(loop, "swept", False):
+        return
+    loop.swept = True
+
+    def sweep() -> None:
+        now = time.monotonic()
+        for conn in list(loop.open_conns):
+            conn._keepalive(now)
+        for server in list(loop.servers):
+            server._expire_admissions(now)
+        loop.call_later(SWEEP_S, sweep)
+
+    loop.call_soon(sweep)
 
 
 class RpcConnection:
     """One authenticated connection on which both sides may send requests and get replies.
 
-    Requests are handled on a small thread pool so a slow handler does not block replies.
-    ``on_close`` runs once when the connection ends, whoever ended it.
+    Requests are handled on a thread pool (the server's, or the connection's own), so a slow handler
+    does not block replies. ``on_close`` runs once when the connection ends, whoever ended it.
     """
 
-    def __init__(self, stream: TlsStream, handler: Handler | None = None,
+    def __init__(self, sock: socket.socket, engine: TlsEngine, handler: Handler | None = None,
                  on_close: Callable[[RpcConnection], None] | None = None, name: str = "rpc",
-                 workers: int = 4, scrub: Callable[[str], str] = lambda s: s):
-        self.stream = stream
+                 pool: ThreadPoolExecutor | None = None, workers: int = 4,
+                 scrub: Callable[[str], str] = lambda s: s, dead_after_s: float = DEAD_AFTER_S):
+        self.sock = sock
+        self.engine = engine
         self.name = name
         self._handler = handler
         self._scrub = scrub
@@ -93,16 +147,133 @@ class RpcConnection:
         self._pending: dict[int, Future] = {}
         self._ids = 0
         self._ids_lock = threading.Lock()
-        self._closed = threading.Event()
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"{name}-h") if handler else None
+        self._own_pool = pool is None and handler is not None
+        self._pool = pool if pool is not None else (
+            ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"{name}-h") if handler else None)
+        self._reader = _FrameReader()
+        self._frame_lock = threading.Lock()  # one frame's ciphertext at a time, in order
+        self._out_lock = threading.Lock()
+        self._drained = threading.Condition(self._out_lock)
+        self._out: deque[memoryview] = deque()
+        self._out_bytes = 0
+        self._watching_write = False
+        self._closed = False
+        self._closed_event = threading.Event()
         self.info: dict = {}
         self.forged = False  # the peer's stream carried a TLS record that failed authentication
-        self._thread = threading.Thread(target=self._read_loop, name=f"{name}-reader", daemon=True)
-        self._thread.start()
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        now = time.monotonic()
+        self.last_recv = self.last_sent = now
+        self.dead_after_s = dead_after_s
+        self._loop = get_loop()
+        sock.setblocking(False)
+        _ensure_sweep(self._loop)
+        self._loop.call_soon(self._start)
 
+    # --- on the loop ------------------------------------------------------------------------------
+    def _start(self) -> None:
+        if self._closed:
+            return
+        self._loop.open_conns.add(self)
+        self._loop.register(self.sock, READ, self)
+        self._decrypt()  # what came with the handshake
+
+    def on_event(self, mask: int) -> None:
+        if mask & WRITE:
+            self._flush()
+        if mask & READ and not self._closed:
+            try:
+                data = self.sock.recv(_CHUNK)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                self.close()
+                return
+            self.last_recv = time.monotonic()
+            self.bytes_received += len(data)
+            self.engine.feed(data)
+            self._decrypt()
+            if not data:
+                self.close()  # the peer closed its socket (a frame cut short is failed with it)
+
+    def _decrypt(self) -> None:
+        while not self._closed:
+            try:
+                n = self.engine.read_into(self._reader.want())
+            except ssl.SSLEOFError:  # cut without TLS's close
+                self.close()
+                return
+            except ssl.SSLError as e:
+                if not self._closed:
+                    self.forged = True
+                    log.warning("%s: closed the connection: a TLS record failed (%s)", self.name,
+                                e.reason or type(e).__name__)
+                self.close()
+                return
+            if n is None:
+                break
+            if n == 0:  # the peer's TLS close
+                self.close()
+                return
+            try:
+                frame = self._reader.filled(n)
+            except (ProtocolError, ValueError) as e:
+                log.warning("%s: closed the connection: %s", self.name, e)
+                self.close()
+                return
+            if frame is not None:
+                self._dispatch(*frame)
+        answer = self.engine.outgoing()  # only a key update request makes a read write; we never send one
+        if answer:
+            self._queue(answer)
+
+    def _dispatch(self, header: dict, blob: Blob) -> None:
+        kind = header.pop("_kind", None)
+        rid = header.pop("_id", None)
+        if kind == "ping":
+            self._control({"_kind": "pong"})
+        elif kind == "rep":
+            fut = self._pending.pop(rid, None)
+            if fut is None or fut.done():
+                return
+            if "_error" in header:
+                # Our own error kinds come back as themselves (``except BatchRefused`` works across
+                # processes); anything else as RemoteError("Type: message").
+                cls = WIRE_ERRORS.get(header.get("_type", ""), RemoteError)
+                fut.set_exception(cls(header["_error"]))
+            else:
+                fut.set_result((header, blob))
+        elif kind == "req" and self._pool is not None:
+            try:
+                self._pool.submit(self._handle, rid, header, blob)
+            except RuntimeError:  # the pool shut down: the server or connection is closing
+                pass
+
+    def _keepalive(self, now: float) -> None:
+        if now - self.last_recv > self.dead_after_s:
+            log.warning("%s: closed the connection: nothing came from the peer for %.0f s (it is frozen, its host "
+                        "is gone or the network between us is cut)", self.name, now - self.last_recv)
+            self.close()
+        elif now - self.last_sent > self.dead_after_s / 4:
+            self._control({"_kind": "ping"})
+
+    def _flush(self) -> None:
+        with self._out_lock:
+            self._send_queued()
+            if not self._out and self._watching_write:
+                self._watching_write = False
+                self._loop.modify(self.sock, READ, self)
+
+    # --- from any thread --------------------------------------------------------------------------
     @property
     def closed(self) -> bool:
-        return self._closed.is_set()
+        return self._closed_event.is_set()
+
+    def set_keepalive(self, dead_after_s: float) -> None:
+        """Close the connection once nothing came from the peer for ``dead_after_s``; ping it after a
+        quarter of that without sending."""
+        self.dead_after_s = dead_after_s
 
     def call_async(self, header: dict, blob: Blob = b"") -> Future:
         fut: Future = Future()
@@ -110,49 +281,28 @@ class RpcConnection:
             self._ids += 1
             rid = self._ids
         self._pending[rid] = fut
-        if self._closed.is_set():
+        if self._closed:
             self._pending.pop(rid, None)
             fut.set_exception(PeerConnectionError(f"{self.name}: connection closed"))
             return fut
         try:
-            send_frame(self.stream, dict(header, _id=rid, _kind="req"), blob)
-        except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
+            self._send(dict(header, _id=rid, _kind="req"), blob)
+        except (OSError, ValueError) as e:  # PeerConnectionError is an OSError
             self._pending.pop(rid, None)
-            fut.set_exception(PeerConnectionError(f"{self.name}: send failed: {e}"))
+            if not fut.done():
+                fut.set_exception(PeerConnectionError(f"{self.name}: send failed: {e}"))
             self.close()
         return fut
 
     def call(self, header: dict, blob: Blob = b"", timeout: float | None = None) -> tuple[dict, Blob]:
-        return self.call_async(header, blob).result(timeout)
-
-    def _read_loop(self) -> None:
+        fut = self.call_async(header, blob)
         try:
-            while True:
-                header, blob = recv_frame(self.stream)
-                kind = header.pop("_kind", None)
-                rid = header.pop("_id", None)
-                if kind == "rep":
-                    fut = self._pending.pop(rid, None)
-                    if fut is None:
-                        continue
-                    if "_error" in header:
-                        # Our own error kinds come back as themselves (``except BatchRefused`` works across
-                        # processes); anything else as RemoteError("Type: message").
-                        cls = WIRE_ERRORS.get(header.get("_type", ""), RemoteError)
-                        fut.set_exception(cls(header["_error"]))
-                    else:
-                        fut.set_result((header, blob))
-                elif kind == "req" and self._pool is not None:
-                    self._pool.submit(self._handle, rid, header, blob)
-        except ssl.SSLError as e:
-            if not self._closed.is_set():
-                self.forged = True
-                log.warning("%s: closed the connection: a TLS record failed (%s)", self.name,
-                            e.reason or type(e).__name__)
-        except (OSError, ConnectionError, ValueError, RuntimeError):  # RuntimeError: pool shut down on close
-            pass
-        finally:
-            self.close()
+            return fut.result(timeout)
+        except FutureTimeout:
+            for rid, f in list(self._pending.items()):
+                if f is fut:
+                    self._pending.pop(rid, None)
+            raise
 
     def _handle(self, rid, header, blob) -> None:
         try:
@@ -167,33 +317,123 @@ class RpcConnection:
             else:
                 rep, rblob = {"_error": self._scrub(f"{type(e).__name__}: {e}")}, b""
         try:
-            send_frame(self.stream, dict(rep, _id=rid, _kind="rep"), rblob)
+            self._send(dict(rep, _id=rid, _kind="rep"), rblob)
         except (OSError, ValueError):
             self.close()
 
-    def close(self) -> None:
-        if self._closed.is_set():
+    def _send(self, header: dict, blob: Blob) -> None:
+        prefix, blob = encode_frame(header, blob)
+        with self._frame_lock:
+            self._encrypt(prefix, wait=True)
+            if blob:
+                with memoryview(blob) as view, view.cast("B") as data:
+                    for at in range(0, len(data), _CHUNK):
+                        self._encrypt(data[at: at + _CHUNK], wait=True)
+
+    def _control(self, header: dict) -> None:
+        """A ping or a pong, from the loop: skipped while a sender is in the middle of a frame (the peer
+        hears that frame instead), never waiting."""
+        if self._closed or not self._frame_lock.acquire(blocking=False):
             return
-        self._closed.set()
-        self.stream.close()
+        try:
+            self._encrypt(encode_frame(header, b"")[0], wait=False)
+        except (OSError, ValueError):
+            self.close()
+        finally:
+            self._frame_lock.release()
+
+    def _encrypt(self, plain, wait: bool) -> None:
+        self._queue(self.engine.encrypt(plain), wait)
+
+    def _queue(self, data: bytes, wait: bool = False) -> None:
+        """Send ``data`` now as far as the socket takes it, and queue the rest for the loop."""
+        with self._out_lock:
+            if self._closed:
+                raise PeerConnectionError(f"{self.name}: connection closed")
+            self.last_sent = time.monotonic()
+            self._out.append(memoryview(data))
+            self._out_bytes += len(data)
+            if len(self._out) == 1:
+                self._send_queued()
+            if self._out and not self._watching_write:
+                self._watching_write = True
+                self._loop.call_soon(lambda: self._loop.modify(self.sock, READ | WRITE, self)
+                                     if self._watching_write and not self._closed else None)
+            while wait and self._out_bytes > HIGH_WATER and not self._closed:
+                if not self._drained.wait(self.dead_after_s) and self._out_bytes > HIGH_WATER:
+                    raise PeerConnectionError(f"{self.name}: the peer took nothing for {self.dead_after_s:.0f} s")
+            if self._closed:
+                raise PeerConnectionError(f"{self.name}: connection closed")
+
+    def _send_queued(self) -> None:
+        """Write what the socket takes now. Call with ``_out_lock`` held."""
+        while self._out:
+            head = self._out[0]
+            try:
+                n = self.sock.send(head)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                self._out.clear()
+                self._out_bytes = 0
+                self._loop.call_soon(self.close)
+                break
+            self.bytes_sent += n
+            self._out_bytes -= n
+            if n < len(head):
+                self._out[0] = head[n:]
+                break
+            self._out.popleft()
+        self._drained.notify_all()
+
+    def close(self) -> None:
+        with self._out_lock:
+            if self._closed:
+                return
+            self._closed = True
+            quiet = not self._out
+            self._drained.notify_all()
+        self._closed_event.set()
+        if quiet and self._frame_lock.acquire(blocking=False):
+            try:  # TLS's close, when no frame is half sent (it would come between that frame's records)
+                self.sock.send(self.engine.close_notify(), socket.MSG_DONTWAIT)
+            except (OSError, ValueError):
+                pass
+            finally:
+                self._frame_lock.release()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # the peer learns at once
+        except OSError:
+            pass
         for rid, fut in list(self._pending.items()):
             self._pending.pop(rid, None)
             if not fut.done():
-                fut.set_exception(PeerConnectionError(f"{self.name}: connection closed"))
-        if self._pool is not None:
+                try:
+                    fut.set_exception(PeerConnectionError(f"{self.name}: connection closed"))
+                except Exception:  # set by the loop meanwhile
+                    pass
+        self._loop.call_soon(self._finish)
+        if self._own_pool and self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         if self._on_close is not None:
-            try:
-                self._on_close(self)
-            except Exception:
-                log.debug("on_close failed", exc_info=True)
+            on_close = self._on_close
+            self._loop.run_off_loop(lambda: on_close(self))
+
+    def _finish(self) -> None:
+        self._loop.open_conns.discard(self)
+        self._loop.unregister(self.sock)
+        try:
+            self.sock.close()
+        except OSError:
+            pass
 
     def wait_closed(self, timeout: float | None = None) -> bool:
-        return self._closed.wait(timeout)
+        return self._closed_event.wait(timeout)
 
 
 def connect(address, secret: str, handler: Handler | None = None, timeout: float = 10.0,
-            name: str = "rpc", on_close=None, scrub: Callable[[str], str] = lambda s: s) -> RpcConnection:
+            name: str = "rpc", on_close=None, scrub: Callable[[str], str] = lambda s: s,
+            workers: int = 4) -> RpcConnection:
     """Connect to a TCP (host, port) or Unix socket path, authenticate, return the connection."""
     if isinstance(address, str):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -207,17 +447,75 @@ def connect(address, secret: str, handler: Handler | None = None, timeout: float
     except BaseException:
         sock.close()
         raise
-    return RpcConnection(stream, handler, on_close=on_close, name=name, scrub=scrub)
+    return RpcConnection(sock, stream.engine, handler, on_close=on_close, name=name, workers=workers, scrub=scrub)
+
+
+class _Admission:
+    """A peer's TLS handshake, on the loop: it becomes an ``RpcConnection`` once the peer proved the
+    query's certificate, or is refused (logged, counted) when it does not, or takes too long."""
+
+    def __init__(self, server: RpcServer, sock: socket.socket, peer):
+        self.server, self.sock, self.peer = server, sock, peer
+        server_ctx, _, self._pinned = contexts(server._secret)
+        self.engine = TlsEngine(server_ctx, server_side=True)
+        self.started = time.monotonic()
+        self._out = b""
+        self._done = False  # the handshake is done and READY made: what is left is sending it
+
+    def on_event(self, mask: int) -> None:
+        loop = self.server._loop
+        if mask & READ and not self._done:
+            try:
+                data = self.sock.recv(_CHUNK)
+            except (BlockingIOError, InterruptedError):
+                data = None
+            except OSError as e:
+                self.refuse(str(e))
+                return
+            if data is not None:
+                if not data:
+                    self.refuse("the peer closed the connection during the TLS handshake")
+                    return
+                self.engine.feed(data)
+        if not self._done:
+            try:
+                done = self.engine.handshake()
+            except ssl.SSLError as e:
+                self.refuse(f"TLS handshake failed: {failure_text(e)}")
+                return
+            if done and not self.engine.peer_is(self._pinned):
+                self.refuse("the peer's certificate is not the query's")
+                return
+            self._out += self.engine.outgoing()
+            if done:
+                self._done = True
+                self._out += self.engine.encrypt(READY)  # we verified the peer: it may send frames
+        try:
+            n = self.sock.send(self._out) if self._out else 0
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        except OSError as e:
+            self.refuse(str(e))
+            return
+        self._out = self._out[n:]
+        if self._out:
+            loop.modify(self.sock, READ | WRITE, self)
+        elif self._done:
+            self.server._admitted(self)
+
+    def refuse(self, why: str) -> None:
+        self.server._refuse(self, why)
 
 
 class RpcServer:
     """Accepts authenticated connections on a TCP (host, port) or a Unix socket path.
 
-    Peers that fail the handshake are refused and logged (without the secret).
+    Peers that fail the handshake are refused and logged (without the secret). Its handler runs on
+    ``workers`` threads shared by all its connections.
     """
 
     def __init__(self, address, secret: str, handler: Handler, name: str = "server", on_close=None,
-                 scrub: Callable[[str], str] = lambda s: s):
+                 scrub: Callable[[str], str] = lambda s: s, workers: int = SERVER_WORKERS):
         self._secret = secret
         contexts(secret)  # a bad credential fails here, not in every peer's handshake
         self._handler = handler
@@ -226,8 +524,12 @@ class RpcServer:
         self.name = name
         self.refused = 0  # peers that failed the handshake
         self.forged = 0  # connections closed on a TLS record that failed authentication
-        self.connections: list = []
+        self.accept_pauses = 0  # times the accept loop ran out of descriptors (or memory) and paused
+        self.connections: list[RpcConnection] = []
+        self._admitting: set[_Admission] = set()
         self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"{name}-h")
+        self._stopped = threading.Event()
         if isinstance(address, str):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             old = os.umask(0o177)
@@ -246,45 +548,83 @@ class RpcServer:
                 sock.close()
                 raise
             self.address = sock.getsockname()[:2]
-        sock.listen(128)
+        sock.listen(512)
+        sock.setblocking(False)
         self._sock = sock
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._accept_loop, name=f"{name}-accept", daemon=True)
-        self._thread.start()
+        self._loop = get_loop()
+        _ensure_sweep(self._loop)
+        self._loop.call_soon(self._listen)
 
-    def _accept_loop(self) -> None:
-        while not self._stopped.is_set():
+    # --- on the loop ------------------------------------------------------------------------------
+    def _listen(self) -> None:
+        if self._stopped.is_set() and self._sock.fileno() < 0:
+            return
+        self._loop.servers.add(self)
+        self._loop.register(self._sock, READ, self)
+
+    def on_event(self, mask: int) -> None:
+        """The listener is readable: take every peer waiting."""
+        while True:
             try:
                 conn, peer = self._sock.accept()
-            except OSError:
-                break
-            threading.Thread(target=self._admit, args=(conn, peer), daemon=True,
-                             name=f"{self.name}-admit").start()
-
-    def _admit(self, conn: socket.socket, peer) -> None:
-        try:
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                if e.errno in _PAUSE_ERRNOS:
+                    # Out of descriptors (or memory): the peers wait in the backlog; try again soon.
+                    self.accept_pauses += 1
+                    if self.accept_pauses == 1 or self.accept_pauses % 100 == 0:
+                        log.warning("%s: cannot accept a connection (%s); accepting again in %.1f s (%d times so far)",
+                                    self.name, os.strerror(e.errno or 0), ACCEPT_PAUSE_S, self.accept_pauses)
+                    self._loop.unregister(self._sock)
+                    self._loop.call_later(ACCEPT_PAUSE_S, self._resume)
+                    return
+                if self._sock.fileno() < 0:  # closed
+                    return
+                log.info("%s: accept failed (%s); going on", self.name, e)
+                continue
+            conn.setblocking(False)
             if conn.family != socket.AF_UNIX:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            stream = admit(conn, self._secret, server_side=True)
-        except (AuthError, OSError, ConnectionError) as e:
-            self.refused += 1
-            log.warning("%s: refused a connection from %s: %s", self.name, peer or "a local peer", e)
+            admission = _Admission(self, conn, peer)
+            self._admitting.add(admission)
+            self._loop.register(conn, READ, admission)
+
+    def _resume(self) -> None:
+        if not self._stopped.is_set() and self._sock.fileno() >= 0:
             try:
-                conn.close()
-            except OSError:
+                self._loop.register(self._sock, READ, self)
+            except (KeyError, ValueError, OSError):
                 pass
-            return
-        rpc = RpcConnection(stream, self._handler, on_close=self._closed, name=self.name, workers=8,
-                            scrub=self._scrub)
+
+    def _admitted(self, a: _Admission) -> None:
+        self._admitting.discard(a)
+        self._loop.unregister(a.sock)
+        rpc = RpcConnection(a.sock, a.engine, self._handler, on_close=self._closed, name=self.name,
+                            pool=self._pool, scrub=self._scrub)
         with self._lock:
             closing = self._stopped.is_set()
             if not closing:
                 self.connections.append(rpc)
-        if closing:
-            # Admitted while the server closes: it must not outlive it. Closed outside the lock, which
-            # its on_close (``_closed``) takes.
+        if closing:  # admitted while the server closes: it must not outlive it
             rpc.close()
 
+    def _refuse(self, a: _Admission, why: str) -> None:
+        self._admitting.discard(a)
+        self._loop.unregister(a.sock)
+        self.refused += 1
+        log.warning("%s: refused a connection from %s: %s", self.name, a.peer or "a local peer", why)
+        try:
+            a.sock.close()
+        except OSError:
+            pass
+
+    def _expire_admissions(self, now: float) -> None:
+        for a in list(self._admitting):
+            if now - a.started > HANDSHAKE_TIMEOUT:
+                a.refuse(f"no TLS handshake within {HANDSHAKE_TIMEOUT:.0f} s")
+
+    # --- from any thread --------------------------------------------------------------------------
     def _closed(self, rpc: RpcConnection) -> None:
         with self._lock:
             if rpc in self.connections:
@@ -295,14 +635,30 @@ class RpcServer:
 
     def close(self) -> None:
         self._stopped.set()
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
-        except OSError:
-            pass
-        try:
-            self._sock.close()
-        except OSError:
-            pass
+
+        def stop_listening() -> None:
+            self._loop.servers.discard(self)
+            self._loop.unregister(self._sock)
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+            for a in list(self._admitting):
+                self._admitting.discard(a)
+                self._loop.unregister(a.sock)
+                a.sock.close()
+
+        if self._loop.in_loop:
+            stop_listening()
+        else:
+            done = threading.Event()
+
+            def stop_and_say() -> None:
+                stop_listening()
+                done.set()
+
+            self._loop.call_soon(stop_and_say)
+            done.wait(5)
         if isinstance(self.address, str):
             try:
                 os.unlink(self.address)
@@ -312,3 +668,4 @@ class RpcServer:
             conns = list(self.connections)
         for c in conns:
             c.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)

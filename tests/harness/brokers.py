@@ -1,7 +1,8 @@
 """The Kafka a test runs against: a fresh embedded broker per test (librdkafka's mock cluster), a real
-Kafka >= 4.2 broker the harness starts for the session from a start script the user names
-(``SPARK_SHARE_TEST_KAFKA_START``: tests/harness/kafka_kit.py), or a Kafka >= 4.2 cluster of the user's when
-``SPARK_SHARE_TEST_BOOTSTRAP`` is set. CI runs the suite twice: embedded, then on the kit's broker.
+Kafka >= 4.2 broker the harness starts for the session (from the Apache Kafka distribution at ``KAFKA_HOME``
+with tests/harness/kafka_dist/start.sh, or from a start script of the user's, ``SPARK_SHARE_TEST_KAFKA_START``:
+tests/harness/kafka_kit.py), or a Kafka >= 4.2 cluster of the user's when ``SPARK_SHARE_TEST_BOOTSTRAP`` is
+set. ``./dev test`` runs the suite on the embedded broker, then on the real Kafka given, if any.
 
 Owns: the one interface the tests use on either (``bootstrap_servers``, ``client()``, ``name()``,
 ``create_topic() -> the real name``, ``group() -> the real group id``, the share-group ``set_*``
@@ -29,7 +30,7 @@ from confluent_kafka.admin import AdminClient
 
 from harness.kafka_cluster import CleanupWarning, ClusterError, EmbeddedCluster, ExternalCluster, _reason  # noqa: F401 (CleanupWarning: for tests)
 from harness.kafka_cluster import parse_options as _parse_options
-from harness.kafka_kit import START_VAR, KitCluster
+from harness.kafka_kit import HOME_VAR, START_VAR, KitCluster, start_script
 from spark_share.options import scrub
 
 BOOTSTRAP_VAR = "SPARK_SHARE_TEST_BOOTSTRAP"
@@ -123,7 +124,7 @@ class BrokerChoice:
 
     bootstrap_servers: str | None = None  # None: a fresh embedded broker per test, or the kit's once started
     options: dict[str, str] = field(default_factory=dict, repr=False)  # may hold credentials
-    start_script: str | None = None  # the harness starts a real broker from it (SPARK_SHARE_TEST_KAFKA_START)
+    start_script: str | None = None  # the harness starts a real broker from it (kafka_kit.start_script)
     kit: KitCluster | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -135,10 +136,10 @@ class BrokerChoice:
         """One line for the session's start: the mode and the bootstrap, never an option's value."""
         if self.start_script is not None:
             return (f"spark-share brokers: a real Kafka broker started for this run from {self.start_script} "
-                    f"({START_VAR}); tests that need the embedded broker are skipped")
+                    f"({os.environ.get(HOME_VAR) or START_VAR}); tests that need the embedded broker are skipped")
         if not self.external:
             return (f"spark-share brokers: embedded (librdkafka's mock cluster, a fresh one per test); "
-                    f"set {START_VAR} (a Kafka >= 4.2 start script) or {BOOTSTRAP_VAR} (a cluster of yours) "
+                    f"set {HOME_VAR} (an unpacked Apache Kafka >= 4.2) or {BOOTSTRAP_VAR} (a cluster of yours) "
                     "to run on a real broker")
         return (f"spark-share brokers: the external cluster {self.bootstrap_servers} ({BOOTSTRAP_VAR}), "
                 f"{len(self.options)} client option(s) from {OPTIONS_VAR}; tests that need the embedded broker "
@@ -194,14 +195,16 @@ class BrokerChoice:
 
 
 def choose_broker(env: Mapping[str, str] = os.environ) -> BrokerChoice:
-    """A cluster of yours (SPARK_SHARE_TEST_BOOTSTRAP) wins over a start script (SPARK_SHARE_TEST_KAFKA_START)."""
+    """A cluster of yours (SPARK_SHARE_TEST_BOOTSTRAP) wins over a broker started here (SPARK_SHARE_TEST_KAFKA_START,
+    else KAFKA_HOME with the project's start script)."""
     bootstrap = env.get(BOOTSTRAP_VAR, "").strip()
     if bootstrap:
         return BrokerChoice(bootstrap, parse_options(env.get(OPTIONS_VAR, "")))
-    script = env.get(START_VAR, "").strip()
+    script = start_script(env)
     if script:
         if not os.path.isfile(script):
-            raise ValueError(f"{START_VAR}={script}: no such file (a start script such as ../shared/kafka/bin/start.sh)")
+            raise ValueError(f"{START_VAR}={script}: no such file (a start script with the interface of "
+                             f"tests/harness/kafka_dist/start.sh, or unset it and set {HOME_VAR})")
         return BrokerChoice(start_script=os.path.abspath(script))
     return BrokerChoice()
 

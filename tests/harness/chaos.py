@@ -15,8 +15,8 @@ The faults, at exponential random times, free to overlap: a Python worker, an ag
 runner SIGKILLed; the query stopped and restarted; foreachBatch raising after its write; the broker
 down and up; ShareFetch and ShareAcknowledge errors; a batch that outlives the record lock.
 
-``--kafka-start SCRIPT`` runs the same on a real Kafka >= 4.2 broker started from SCRIPT (the kit's
-interface, tests/harness/kafka_kit.py; e.g. ../shared/kafka/bin/start.sh) instead of the embedded one. Its
+``--kafka-start SCRIPT`` runs the same on a real Kafka >= 4.2 broker started from SCRIPT
+(tests/harness/kafka_dist/start.sh with KAFKA_HOME set; tests/harness/kafka_kit.py) instead of the embedded one. Its
 broker faults are a clean restart (``broker_restart``) and a SIGKILL then a start on the same data
 directory (``broker_kill``); error injection (``fetch_errors``, ``ack_errors``) and ``broker_down``
 exist only on the embedded broker.
@@ -460,7 +460,7 @@ def main(argv=None) -> int:
                          f"{','.join(REAL_FAULTS)})")
     ap.add_argument("--kafka-start", default=None, metavar="SCRIPT",
                     help="run on a real Kafka >= 4.2 broker started from this script (the kit's interface, "
-                         "e.g. ../shared/kafka/bin/start.sh) instead of the embedded broker")
+                         "e.g. tests/harness/kafka_dist/start.sh with KAFKA_HOME set) instead of the embedded broker")
     ap.add_argument("--sample-every", type=float, default=3.0, help="seconds between resource samples (default 3)")
     ap.add_argument("--warmup", type=float, default=None,
                     help="seconds before growth is judged (default: a third of the run, at most 300)")

@@ -301,7 +301,8 @@ def add_cluster_arguments(ap) -> None:
     """A benchmark's choice of Kafka: ``--kafka-start`` (a broker of the kit's interface it starts) or
     ``--bootstrap-servers`` (a cluster of yours), with ``--kafka-option`` client configs for the latter."""
     where = ap.add_mutually_exclusive_group(required=True)
-    where.add_argument("--kafka-start", help="a broker start script with the kit's interface (../shared/kafka/bin/start.sh)")
+    where.add_argument("--kafka-start", help="a broker start script: tests/harness/kafka_dist/start.sh with KAFKA_HOME set "
+                                             "to an unpacked Apache Kafka >= 4.2 (or a script with its interface)")
     where.add_argument("--bootstrap-servers", help="a Kafka >= 4.2 cluster of yours")
     ap.add_argument("--kafka-option", action="append", default=[], metavar="K=V",
                     help="a client config for your cluster; repeatable; @FILE reads them from FILE")

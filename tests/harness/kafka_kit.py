@@ -1,5 +1,6 @@
-"""Real Kafka brokers that the test harness starts and stops itself, from a start script the user
-names (``SPARK_SHARE_TEST_KAFKA_START``; CI uses ``../shared/kafka/bin/start.sh``).
+"""Real Kafka brokers that the test harness starts and stops itself, from a start script: the project's own
+(``tests/harness/kafka_dist/start.sh``, which runs an Apache Kafka >= 4.2 distribution unpacked at
+``KAFKA_HOME``), or one the user names (``SPARK_SHARE_TEST_KAFKA_START``).
 
 Owns: choosing free loopback ports and a data directory, the broker properties the suite needs (the
 bounds its share-group settings ask for), starting, stopping (``stop.sh`` beside the start script, or
@@ -7,10 +8,10 @@ bounds its share-group settings ask for), starting, stopping (``stop.sh`` beside
 on the same data directory (a broker restart keeps topics, records and share-group state), three
 nodes as one replicated cluster, and removing the data directories it made.
 
-The script's interface is the kit's (``../shared/kafka/README.md``): environment ``DATA_DIR``,
-``PORT``, ``CONTROLLER_PORT``, ``NODE_ID``, ``CLUSTER_ID``, ``HEAP``, ``EXTRA_PROPS`` (``k=v`` lines),
-``EXTRA_PROPS_FILE``, ``FORMAT_ARGS``; it prints the bootstrap address as its last line and writes the
-broker's pid to ``DATA_DIR/kafka.pid``.
+A start script takes the environment ``DATA_DIR``, ``PORT``, ``CONTROLLER_PORT``, ``NODE_ID``,
+``CLUSTER_ID``, ``HEAP``, ``EXTRA_PROPS`` (``k=v`` lines), ``EXTRA_PROPS_FILE``, ``FORMAT_ARGS``
+(``kafka_dist/start.sh`` documents each); it prints the bootstrap address as its last line and writes
+the broker's pid to ``DATA_DIR/kafka.pid``.
 
 Must never: stop or kill a process it did not start (only by the pid file of a data directory it
 made), leave a broker running after ``close()``, or wait without a bound.
@@ -28,6 +29,18 @@ from collections.abc import Mapping
 
 START_VAR = "SPARK_SHARE_TEST_KAFKA_START"
 STOP_VAR = "SPARK_SHARE_TEST_KAFKA_STOP"
+HOME_VAR = "KAFKA_HOME"
+# The project's start script for an Apache Kafka distribution unpacked at $KAFKA_HOME.
+DIST_START = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kafka_dist", "start.sh")
+
+
+def start_script(env: Mapping[str, str] = os.environ) -> str | None:
+    """The start script a real pass uses: ``SPARK_SHARE_TEST_KAFKA_START``, else the project's own when
+    ``KAFKA_HOME`` is set, else None (no real Kafka given)."""
+    named = env.get(START_VAR, "").strip()
+    if named:
+        return named
+    return DIST_START if env.get(HOME_VAR, "").strip() else None
 START_TIMEOUT_S = 120.0  # the script's own port wait is 90 s; a start after kill -9 takes ~12 s more
 STOP_TIMEOUT_S = 60.0
 

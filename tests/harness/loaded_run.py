@@ -3,12 +3,12 @@ whole run (two by default: on 2 cores, the suite then gets about half the CPU it
 assert guarantees, not the machine's speed: the real pass must pass like this too (docs/testing.md
 records the counts). Not run by CI.
 
-    .venv/bin/python tests/harness/loaded_run.py                         # the real pass, kit broker
+    KAFKA_HOME=~/kafka_2.13-4.2.1 .venv/bin/python tests/harness/loaded_run.py   # the real pass
     .venv/bin/python tests/harness/loaded_run.py -- tests/integration/test_cluster.py -k host_lost
 
 Arguments after ``--`` go to pytest (default: tests/integration, the real pass's selection). The real
-pass runs on the broker of ``SPARK_SHARE_TEST_KAFKA_START`` (default: ../shared/kafka/bin/start.sh)
-or ``SPARK_SHARE_TEST_BOOTSTRAP``. Exit code: pytest's (5, no tests, counts as a failure).
+pass runs on a broker started from ``KAFKA_HOME`` (or ``SPARK_SHARE_TEST_KAFKA_START``), or on
+``SPARK_SHARE_TEST_BOOTSTRAP``. Exit code: pytest's (5, no tests, counts as a failure).
 """
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("pytest_args", nargs="*", help="after --: pytest arguments (default: tests/integration)")
     args = ap.parse_args(argv)
     env = dict(os.environ, SPARK_SHARE_TEST_REAL_PASS="1")
-    if not env.get("SPARK_SHARE_TEST_BOOTSTRAP"):
-        env.setdefault("SPARK_SHARE_TEST_KAFKA_START", os.path.join(ROOT, "..", "shared", "kafka", "bin", "start.sh"))
+    if not any(env.get(v) for v in ("SPARK_SHARE_TEST_BOOTSTRAP", "SPARK_SHARE_TEST_KAFKA_START", "KAFKA_HOME")):
+        ap.error("no real Kafka given: set KAFKA_HOME (an unpacked Apache Kafka >= 4.2) or SPARK_SHARE_TEST_BOOTSTRAP")
     stop = multiprocessing.Event()
     spinners = [multiprocessing.Process(target=_spin, args=(stop,), name=f"busy-{i}", daemon=True)
                 for i in range(args.busy)]

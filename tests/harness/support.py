@@ -171,6 +171,52 @@ def kafka_options(kafka) -> dict[str, str]:
     return {f"kafka.{k}": v for k, v in client_config(kafka).items()}
 
 
+def source_options(kafka, group: str, topics, **options) -> dict[str, str]:
+    """The options of ``format("kafka-share")`` on the test's broker, as Spark hands them to the source."""
+    return {**kafka_options(kafka), "kafka.group.id": group,
+            "subscribe": topics if isinstance(topics, str) else ",".join(topics),
+            **{k: str(v) for k, v in options.items()}}
+
+
+@dataclass
+class DrivenRun:
+    rows: list[dict]  # every row the read tasks yielded, in order
+    status: dict  # the tracker's status() once the run ended, before its stop
+    log: str  # the tracker's log
+
+
+def drive_available_now(options: dict[str, str], timeout: float) -> DrivenRun:
+    """A Trigger.AvailableNow run of ``format("kafka-share")`` whose driver-side calls and read tasks
+    this process makes itself, in Spark's order (initialOffset, prepareForTriggerAvailableNow, then
+    latestOffset -> partitions -> read() of each until latestOffset returns its start; a batch counts
+    as committed when the next latestOffset comes), then stop(). The tracker runs here, so a test may
+    patch its constants; the agent is its own process, as under Spark."""
+    from spark_share import runtime
+    from spark_share.options import parse_options
+    from spark_share.reader import ShareStreamReader
+
+    reader = ShareStreamReader(parse_options(options))
+    rows: list[dict] = []
+    deadline = time.monotonic() + timeout
+    try:
+        start = reader.initialOffset()
+        reader.prepareForTriggerAvailableNow()
+        while True:
+            assert time.monotonic() < deadline, f"the run did not end within {timeout} s ({len(rows)} rows read)"
+            end = reader.latestOffset(start, reader.getDefaultReadLimit())
+            if end == start:
+                break
+            for part in reader.partitions(start, end):
+                for rb in reader.read(part):
+                    rows.extend(rb.to_pylist())
+            start = end
+        tracker = reader._tracker
+        status = tracker.status()
+    finally:
+        reader.stop()
+    return DrivenRun(rows, status, open(runtime.tracker_log_path(tracker.tracker_id)).read())
+
+
 def drain_share_group(kafka, group: str, topics: list[str], timeout: float,
                       ack=AcknowledgeType.ACCEPT, until: int | None = None, **config) -> list:
     """Consume what a share group hands out within ``timeout`` s (or until ``until`` records);

@@ -317,7 +317,7 @@ def test_a_start_script_makes_the_run_real_and_a_cluster_of_yours_wins_over_it(t
     """SPARK_SHARE_TEST_KAFKA_START: the harness starts a real broker (not yet at collection: the run
     is real, its bootstrap unknown); a missing script is an error naming the variable; with
     SPARK_SHARE_TEST_BOOTSTRAP set too, the cluster of yours is used and nothing is started."""
-    from harness.kafka_kit import START_VAR
+    from harness.kafka_kit import DIST_START, HOME_VAR, START_VAR
 
     script = tmp_path / "start.sh"
     script.write_text("#!/bin/sh\n")
@@ -329,4 +329,7 @@ def test_a_start_script_makes_the_run_real_and_a_cluster_of_yours_wins_over_it(t
     yours = choose_broker({START_VAR: str(script), BOOTSTRAP_VAR: "b:9092"})
     assert yours.bootstrap_servers == "b:9092" and yours.start_script is None
     assert yours.start() is yours, "a cluster of yours is never started"
-    assert START_VAR in choose_broker({}).describe(), "the embedded run says how to run on a real broker"
+    assert HOME_VAR in choose_broker({}).describe(), "the embedded run says how to run on a real broker"
+    home = choose_broker({HOME_VAR: str(tmp_path)})
+    assert home.external and home.start_script == DIST_START, "KAFKA_HOME: the project's own start script"
+    assert choose_broker({HOME_VAR: str(tmp_path), START_VAR: str(script)}).start_script == str(script)

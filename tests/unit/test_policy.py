@@ -9,6 +9,7 @@ from spark_share.driver.batches import BatchState
 from spark_share.driver.policy import (
     AVAILABLE_NOW_EMPTY_RETRIES,
     AVAILABLE_NOW_UNANSWERED_S,
+    AVAILABLE_NOW_UNRESOLVED_S,
     DEFAULT_LOCK_MS,
     GROW_AFTER_BATCHES,
     PARALLELISM_ENV,
@@ -80,14 +81,67 @@ def test_available_now_ends_once_everything_below_the_start_was_seen():
     assert not p.should_run(batch(2, slots=0), 0, 0.0)
 
 
-def test_available_now_retries_empty_polls_a_bounded_number_of_times_while_behind():
+def answered(n, *partitions, slots=1) -> BatchState:
+    """An empty batch whose polls the broker answered for these partitions (nothing available there)."""
+    b = BatchState(n, slots, None)
+    b.acquired[0] = {"agent": "a", "rows": 0, "offsets": {}, "answered": [list(tp) for tp in partitions]}
+    return b
+
+
+def heard(p: BatchPolicy, b: BatchState) -> None:
+    for a in b.acquired.values():
+        p.acquired(a["offsets"], 0)
+        p.answered_empty(a.get("answered", []))
+
+
+def test_an_empty_batch_ends_no_drain_while_a_partition_was_answered_by_no_poll():
+    """Issue 41: a drain on three hosts ended after one empty batch with every record of one partition
+    unread (no error): the run had never acquired from it, and its member was polled by no read task
+    of that batch. An empty batch proves a partition drained only when a poll of ours had it assigned
+    and the broker answered that fetch with nothing."""
+    p = available_now({("t", 0): 300, ("t", 1): 300, ("t", 2): 300, ("t", 3): 300})
+    p.planned(0, 0.0)
+    b0 = BatchState(0, 3, None)
+    for slot in range(3):
+        b0.acquired[slot] = {"agent": "a", "rows": 300, "offsets": {"t": {str(slot): [[0, 299]]}}}
+    heard(p, b0)
+    assert p.should_run(b0, 0, 0.0)
+    # The polls of the next batch answered empty for partitions 0-2; nobody polled partition 3.
+    empty = answered(1, ("t", 0), ("t", 1), ("t", 2))
+    heard(p, empty)
+    assert p.unresolved() == [("t", 3)]
+    assert p.should_run(empty, 0, 1.0), "ended with partition 3 unread"
+    b2 = BatchState(2, 1, None)
+    b2.acquired[0] = {"agent": "a", "rows": 300, "offsets": {"t": {"3": [[0, 299]]}}}
+    heard(p, b2)
+    assert p.unresolved() == [] and p.should_run(b2, 0, 2.0) and p.closing
+
+
+def test_a_drain_waits_a_bounded_time_for_partitions_no_poll_answers_then_says_which():
+    p = available_now({("t", 0): 100, ("t", 1): 100})
+    p.planned(0, 0.0)
+    b0 = batch(0, [(0, 99)])
+    heard(p, b0)
+    assert p.should_run(b0, 0, 0.0)
+    runs = [p.should_run(answered(n, ("t", 0)), 0, float(n)) for n in range(1, 30)]
+    assert all(runs) and p.left_unread == []
+    assert not p.should_run(answered(30, ("t", 0)), 0, AVAILABLE_NOW_UNRESOLVED_S + 2.0)
+    assert p.left_unread == [("t", 1)], "the partition it gave up on"
+
+
+def test_records_given_back_keep_an_answered_drain_going_a_bounded_number_of_batches():
     p = available_now({("t", 0): 100})
     p.planned(0, 0.0)
-    b0 = batch(0, [(0, 9)])
-    saw(p, b0)
+    b0 = batch(0, [(0, 9)], released=5)
+    heard(p, b0)
+    p.acknowledged(b0)
     assert p.should_run(b0, 0, 0.0)
-    runs = [p.should_run(batch(n), 0, 0.0) for n in range(1, AVAILABLE_NOW_EMPTY_RETRIES + 2)]
-    assert runs == [True] * AVAILABLE_NOW_EMPTY_RETRIES + [False]
+    runs = []
+    for n in range(1, AVAILABLE_NOW_EMPTY_RETRIES + 2):
+        empty = answered(n, ("t", 0))
+        heard(p, empty)
+        runs.append(p.should_run(empty, 0, 0.0))
+    assert runs == [True] * AVAILABLE_NOW_EMPTY_RETRIES + [False], "the 5 records it released are due back"
 
 
 def timed_out(n, slots=2) -> BatchState:
@@ -112,8 +166,10 @@ def test_available_now_goes_on_while_its_first_polls_run_out_of_time_on_a_full_q
     b = batch(n, [(0, 9)])  # an answer at last
     saw(p, b)
     assert p.should_run(b, 0, float(n)) and p.unanswered_since is None
-    runs = [p.should_run(timed_out(n + 1 + i), 0, float(n + 1 + i)) for i in range(AVAILABLE_NOW_EMPTY_RETRIES + 1)]
-    assert runs == [True] * AVAILABLE_NOW_EMPTY_RETRIES + [False], "once records came: the empty retries"
+    later = n + 1 + AVAILABLE_NOW_UNRESOLVED_S
+    assert p.should_run(timed_out(n + 1), 0, float(n + 1)), "once records came, an empty batch waits for answers"
+    assert not p.should_run(timed_out(n + 2), 0, later + 1), "for AVAILABLE_NOW_UNRESOLVED_S at most"
+    assert p.left_unread == [("t", 0), ("t", 1)]
 
 
 def test_available_now_fails_when_the_broker_answers_no_poll_for_too_long():
@@ -126,10 +182,12 @@ def test_available_now_fails_when_the_broker_answers_no_poll_for_too_long():
 
 def test_available_now_on_a_drained_queue_ends_after_its_first_empty_answer():
     """Records below the start's watermarks that earlier runs acknowledged are never seen again: a poll
-    the broker answered empty ends the run at once, as before."""
+    the broker answered empty for the partition ends the run at once."""
     p = available_now({("t", 0): 100_000})
     p.planned(0, 0.0)
-    assert not p.should_run(batch(0), 0, 0.0)
+    empty = answered(0, ("t", 0))
+    heard(p, empty)
+    assert not p.should_run(empty, 0, 0.0) and p.left_unread == []
 
 
 def test_available_now_waits_for_records_it_gave_back():
@@ -152,6 +210,8 @@ def test_available_now_ends_when_a_batch_brought_only_newer_records():
     b = BatchState(0, 1, None)
     b.acquired[0] = {"agent": "a", "rows": 5, "offsets": {"t": {"0": [[20, 24]]}}}
     p.acquired(b.acquired[0]["offsets"], 0)
+    assert p.should_run(b, 0, 0.0), "partition 1 is still to be answered"
+    p.answered_empty([("t", 1)])
     assert not p.should_run(b, 0, 0.0)
 
 
