@@ -57,6 +57,10 @@ class JobError(SparkShareError, RuntimeError):
     synthetic workload."""
 
 
+class MemberRefused(AgentError):
+    """The share group refused a new consumer of the query: it has reached ``group.share.max.size``."""
+
+
 class EmbeddedKafkaError(SparkShareError, RuntimeError):
     """The embedded (mock) broker could not be started or driven."""
 

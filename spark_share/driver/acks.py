@@ -21,24 +21,27 @@ from typing import Any
 
 from ..acknowledgement import ACCEPT, REJECT, RELEASE, AckOutcome
 from ..options import ShareSourceOptions, scrub
-from ..transport.protocol import Ack, AckResult, DeadLetter, call, call_async
+from ..transport.protocol import Ack, AckResult, DeadLetter, call_async
 from .batches import QUEUED, BatchState
 from .policy import BatchPolicy
 
 log = logging.getLogger("spark_share.driver.tracker")
 
 AGENT_LOST = "AGENT_LOST"  # the error a lost agent's records are counted under
+ACK_TIMEOUT = "ACK_TIMEOUT"  # ... and an agent's that did not answer within ackTimeoutMs
 
 
 class Acknowledger:
     def __init__(self, opts: ShareSourceOptions, policy: BatchPolicy, lock: threading.RLock,
-                 agents: dict[str, Any], finished: Callable[[BatchState, int], None]):
+                 agents: dict[str, Any], finished: Callable[[BatchState, int], None],
+                 after: Callable[[BatchState], None] = lambda b: None):
         self.opts = opts
         self.policy = policy
         self._secrets = opts.secret_values()
         self._lock = lock
         self._agents = agents  # the tracker's live agents by id, read under ``lock``
         self._finished = finished  # called under ``lock`` once the broker answered (or did not)
+        self._after = after  # then, without the lock, on the same thread: housekeeping between batches
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spark-share-acks")
 
     def acknowledge(self, b: BatchState, default: int, queued: Callable[[], None]) -> str | None:
@@ -76,15 +79,29 @@ class Acknowledger:
                            "target is fixed")
                 default, per_agent = RELEASE, {a: [] for a in conns}
         sent = {}
+        # To every holder at once; each answers once it has queued the acknowledgement on its consumers,
+        # ahead of any later poll of them (the broker's answers are collected off Spark's path). An agent
+        # that does not answer within ackTimeoutMs (hung, or cut off) costs that once: its connection is
+        # closed, so it releases what it holds when it notices, and the broker's lock covers the rest.
+        futs = {}
         for agent_id, conn in conns.items():
             if conn is None:
                 self._count_failed(b, agent_id, AGENT_LOST)
                 continue
+            futs[agent_id] = call_async(conn, Ack(b.batch, default, per_agent[agent_id], timeout_s))
+        wait_futures(list(futs.values()), timeout=timeout_s)
+        for agent_id, f in futs.items():
+            if not f.done():
+                log.warning("spark-share batch %d: agent %s did not queue its acknowledgements within ackTimeoutMs "
+                            "(%.0f ms); it is dropped, and the %d records it holds come back when their lock "
+                            "expires", b.batch, agent_id, self.opts.ack_timeout_ms, b.rows_held_by(agent_id))
+                self._count_failed(b, agent_id, ACK_TIMEOUT)
+                f.cancel()
+                conns[agent_id].close()  # type: ignore[union-attr]  # only live ones were asked
+                continue
             try:
-                # Returns once the agent has queued the acknowledgement on each consumer, ahead of
-                # any later poll of it: the broker's answers are collected off Spark's path.
-                call(conn, Ack(b.batch, default, per_agent[agent_id], timeout_s), timeout=timeout_s + 10)
-                sent[agent_id] = conn
+                f.result(timeout=0)
+                sent[agent_id] = conns[agent_id]
             except ConnectionError:  # the agent went away: the broker releases what it held
                 self._count_failed(b, agent_id, AGENT_LOST)
             except Exception as e:
@@ -122,6 +139,10 @@ class Acknowledger:
             b.acked_at = time.time()
             self._finished(b, default)
         log_batch(b, self.opts.group_id, self.policy)
+        try:
+            self._after(b)
+        except Exception:  # housekeeping must not stop the acknowledgements of later batches
+            log.exception("spark-share batch %d: the work after its acknowledgement failed", b.batch)
 
     def _write_dead_letters(self, b: BatchState, conns: dict,
                             rejects: list[list]) -> tuple[str | None, dict[str, set[tuple[str, int, int]]]]:

@@ -14,12 +14,14 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 
 from ..errors import BatchRefused, ProtocolError
 from ..options import ShareSourceOptions
 from ..transport import wire
 from ..transport.protocol import Fetch, Hello, Prefetch, Shutdown, call, call_async
 from .batches import PLANNED, BatchState
+from .members import MemberBook
 from .policy import BatchPolicy
 
 log = logging.getLogger("spark_share.driver.tracker")
@@ -43,6 +45,7 @@ class AgentRoster:
         self.policy = policy
         self.lock = lock  # the ledger's: claims look at who is alive
         self.conns: dict[str, wire.RpcConnection] = {}
+        self.members = MemberBook(policy.num_slots)  # the tracker gives its own once the slots are known
         self.relays = 0  # re-reads served from another host's agent, through this process
         self.relayed_bytes = 0
 
@@ -52,6 +55,7 @@ class AgentRoster:
             self.conns[m.agent_id] = conn
         conn.info["agent_id"] = m.agent_id
         conn.info["host"] = m.host
+        conn.set_keepalive(self.policy.dead_after_s)
         log.info("agent %s joined (pid %s on %s)", m.agent_id, m.pid, m.host)
         if latest is not None and latest.state == PLANNED and latest.slots and not latest.claims:
             latest.prefetched = self.prefetch(latest) or latest.prefetched  # it polls once its sessions have joined
@@ -60,11 +64,13 @@ class AgentRoster:
         # grows with the slots its tasks read in a batch (a session serves one slot per batch), so
         # the group has about numPartitions members, never executors x numPartitions.
         slots = self.policy.slots_for(limit) if one_host() else 1
+        with self.lock:
+            self.members.joined(m.agent_id, m.host, slots)
         o = self.opts
         return {"max_poll_records": self.policy.poll_size(latest), "topics": list(o.topics),
                 "include_headers": o.include_headers, "slots": slots, "dead_letter": o.dead_letter,
                 "dead_letter_topic": o.dead_letter_topic, "dead_letter_path": o.dead_letter_path,
-                "max_delivery_count": o.max_delivery_count}
+                "max_delivery_count": o.max_delivery_count, "dead_after_s": self.policy.dead_after_s}
 
     def left(self, conn: wire.RpcConnection, stopping: bool) -> None:
         agent_id = conn.info.get("agent_id")
@@ -73,6 +79,7 @@ class AgentRoster:
         with self.lock:
             if self.conns.get(agent_id) is conn:
                 del self.conns[agent_id]
+                self.members.left(agent_id)
             self.policy.forget_agent(agent_id)  # what it carried goes back to the group with its sessions
         if not stopping:
             log.warning("agent %s disconnected; records it held go back to the share group", agent_id)
@@ -106,15 +113,17 @@ class AgentRoster:
         return rep, blob
 
     def hosts(self, claims: list[str]) -> dict[str, dict]:
-        """Per host: its agents, their group members (as of each one's last acquisition), and the slots
-        of the last batch read (``claims``: the agent of each slot) that its agents hold."""
+        """Per host: its agents, their group members (share consumers, as each agent last reported), and
+        the slots of the last batch read (``claims``: the agent of each slot) that its agents hold."""
         hosts: dict[str, dict] = {}
+        per_agent = Counter(claims)
         with self.lock:
             for agent_id, conn in self.conns.items():
                 h = hosts.setdefault(conn.info.get("host") or "?", {"agents": 0, "members": 0, "slots": 0})
                 h["agents"] += 1
-                h["members"] += conn.info.get("members", 0)
-                h["slots"] += claims.count(agent_id)
+                a = self.members.agents.get(agent_id)
+                h["members"] += a.members if a is not None else 0
+                h["slots"] += per_agent[agent_id]
         return hosts
 
     def stop_all(self, wait_s: float) -> None:

@@ -46,6 +46,13 @@ def estimate(high: Mapping[Partition, int], max_acquired: Mapping[Partition, int
     return {"kind": "estimate", "backlogEstimate": total, "partitions": partitions}
 
 
+def top(view: Mapping, n: int = 10) -> dict[str, int]:
+    """The ``n`` partitions with the most backlog (the progress JSON carries these, not every partition:
+    Spark logs each report, and a topic may have thousands; ``status()`` has them all)."""
+    parts = [(v["backlog"], name) for name, v in (view.get("partitions") or {}).items() if v["backlog"]]
+    return {name: b for b, name in sorted(parts, key=lambda x: (-x[0], x[1]))[:n]}
+
+
 def line(view: Mapping) -> str:
     """One log line: the total and the partitions that have a backlog."""
     behind = [f"{name} {v['backlog']}" for name, v in view["partitions"].items() if v["backlog"]]

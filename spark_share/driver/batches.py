@@ -29,6 +29,7 @@ class BatchState:
     planned_at: float = field(default_factory=time.time)
     claims: dict[int, str] = field(default_factory=dict)         # slot -> agent id
     granted: dict[int, int | None] = field(default_factory=dict)  # slot -> records its read may hand out
+    granted_total: int = 0                                    # the sum of ``granted`` (a claim must not sum it)
     prefetched: bool = False                                  # its polls started at planning (static budgets)
     acquired: dict[int, dict] = field(default_factory=dict)      # slot -> {agent, session, rows, offsets, acquired_at}
     verdicts: dict[tuple[str, int, int], tuple[int, str | None]] = field(default_factory=dict)

@@ -96,7 +96,8 @@ class BatchLedger:
                 owner = None  # claimed but never acquired: no row of it reached Spark
             if owner is None:
                 b.claims[m.slot] = owner = agent_id
-                b.granted[m.slot] = self.policy.grant(b, m.slot, m.carrying)
+                granted = b.granted[m.slot] = self.policy.grant(b, m.slot, m.carrying)
+                b.granted_total += granted or 0
             return owner
 
     def granted(self, batch: int, slot: int) -> int | None:

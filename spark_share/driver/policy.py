@@ -44,6 +44,9 @@ CARRY_FRACTION = 0.5
 GROW_AFTER_BATCHES = 10
 GROW_BELOW_FRACTION = 0.5
 RECENT_HOLDS = 20  # batches whose hold times say the lock is at least that long
+# The keepalive between tracker and agents (``dead_after_s``): half the record lock, in these bounds.
+DEAD_AFTER_MIN_S = 5.0
+DEAD_AFTER_MAX_S = 15.0
 # Kafka's default group.share.partition.max.record.locks: records of a partition the group may have
 # in flight. A batch holds its records until Spark commits it, so this caps a batch.
 DEFAULT_RECORD_LOCKS = 2000
@@ -280,7 +283,7 @@ class BatchPolicy:
         share = self.slot_budgets(b)[0] if b.slots else None
         if b.max_records is None or b.prefetched:
             return share
-        left = b.max_records - sum(v or 0 for v in b.granted.values())
+        left = b.max_records - b.granted_total
         want = share or 0
         if carrying > want:
             want = carrying if self.lock_safe_records is None else min(carrying, max(want, self.lock_safe_records))
@@ -345,6 +348,13 @@ class BatchPolicy:
             if self.batches_within_lock >= GROW_AFTER_BATCHES:
                 self.lock_safe_records *= 2
                 self.batches_within_lock = 0
+
+    @property
+    def dead_after_s(self) -> float:
+        """How long a connection between the tracker and an agent may stay silent before each end takes
+        the other for gone (the agent then releases what it holds): within a record lock, and never so
+        short that a busy host's pause ends a healthy connection."""
+        return min(DEAD_AFTER_MAX_S, max(DEAD_AFTER_MIN_S, self.lock_ms / 2000.0))
 
     @property
     def carry_ms(self) -> float:

@@ -24,6 +24,8 @@ import socket
 import threading
 import time
 import uuid
+from collections import Counter
+from concurrent.futures import wait as wait_futures
 
 from .. import runtime
 from ..acknowledgement import ACCEPT, RELEASE
@@ -41,7 +43,10 @@ from ..transport.protocol import (
     Fetch,
     Hello,
     Status,
+    Trim,
     Verdicts,
+    call,
+    call_async,
     dispatcher,
 )
 from . import backlog
@@ -50,6 +55,7 @@ from .agents import AgentRoster, agent_of, one_host
 from .batches import ACKING, FINISHED, BatchState
 from .commitlog import CommitLog
 from .ledger import BatchLedger
+from .members import IDLE_BATCHES, MemberBook
 from .policy import (
     AVAILABLE_NOW_UNRESOLVED_S,
     DEFAULT_RECORD_LOCKS,
@@ -65,6 +71,7 @@ log = logging.getLogger("spark_share.driver.tracker")
 
 __all__ = ["Tracker", "AGENT_LOST", "one_host"]
 
+MOVE_TIMEOUT_S = 15.0  # an agent asked to give up a member for another's read answers within this
 SHUTDOWN_WAIT_S = 10.0  # a stop waits this long at most for acknowledgements under way, then for agents
 BACKLOG_LOG_S = 60.0  # the backlog estimate's INFO line, at most this often
 
@@ -97,6 +104,7 @@ class Tracker:
         self.refusal: str | None = None
         self._drain_decided = -2  # the batch after which a drain last decided whether it goes on
         self._left_reported = False  # a drain that ended with partitions unanswered said so
+        self._drain_trimmed = -1  # the last empty batch after which a drain closed unpolled consumers
         self.commit_log: CommitLog | None = None  # Spark's commit log of the query, once the listener noted it
         # Created before the watcher, whose thread asks it whether the stream is idle; the slots are
         # known once the watcher has listed the partitions.
@@ -133,18 +141,38 @@ class Tracker:
         self.registration = Registration(self.tracker_id, {"host": self.address[0], "port": self.address[1],
                                                            "secret": self.secret, "tracker_id": self.tracker_id,
                                                            "pid": os.getpid()})
-        self._size_batches()
-        self.acks = Acknowledger(opts, self.policy, self.ledger.lock, self.agents, self.ledger.finished)
+        try:
+            self._size_batches()
+        except BaseException:
+            self.server.close()
+            self.metadata.close()
+            self.registration.remove()
+            runtime.stop_logging_to(self._log_file)
+            runtime.release_tracker_lock(self.tracker_id, self._alive_fd)
+            raise
+        # At most numPartitions members at any time, whichever hosts Spark reads on (driver/members.py).
+        self.members = self.roster.members = MemberBook(self.policy.num_slots)
+        self.acks = Acknowledger(opts, self.policy, self.ledger.lock, self.agents, self.ledger.finished,
+                                 after=self._after_batch)
         self._stopped = threading.Event()
 
     def _size_batches(self) -> None:
         """Slots from the partitions, and the lock budget and duration from the options or the broker."""
         opts, partitions = self.opts, len(self.metadata.partitions)
         parallelism = os.environ.get(PARALLELISM_ENV)
-        self.policy.num_slots = opts.num_partitions or default_slots(partitions, parallelism)
+        broker_locks, lock_ms, max_members = self.metadata.share_limits()
+        slots = default_slots(partitions, parallelism)
+        if max_members is not None:
+            if opts.num_partitions is not None and opts.num_partitions > max_members:
+                raise SourceError(f"option 'numPartitions' = {opts.num_partitions} asks for {opts.num_partitions} share "
+                                  f"consumers, but the broker's group.share.max.size lets share group "
+                                  f"{opts.group_id!r} have {max_members} members at most: lower numPartitions to "
+                                  f"{max_members} or less (other consumers of the group count too), or raise "
+                                  "group.share.max.size on the brokers")
+            slots = min(slots, max_members)  # the default stays within the group's limit
+        self.policy.num_slots = opts.num_partitions or slots
         self.policy.task_slots = task_slots(parallelism)
         self.policy.partitions = max(1, partitions)
-        broker_locks, lock_ms = self.metadata.share_limits()
         if lock_ms is not None:
             self.policy.lock_ms = float(lock_ms)
         locks, said = opts.max_record_locks, "option maxRecordLocks"
@@ -197,12 +225,74 @@ class Tracker:
         owner = self.ledger.claim(m, agent_id, self.agents)
         if owner is None:
             return {"owner": None}
-        return {"owner": owner, "carry_ms": self.policy.carry_ms, "max_records": self.ledger.granted(m.batch, m.slot)}
+        reply = {"owner": owner, "carry_ms": self.policy.carry_ms,
+                 "max_records": self.ledger.granted(m.batch, m.slot)}
+        if owner == agent_id:
+            with self.ledger.lock:
+                self.members.claimed(agent_id, m.batch)
+            if m.needs_member:
+                reply["open"] = self._grant_member(agent_id, m.batch, m.slot)
+        return reply
+
+    def _grant_member(self, agent_id: str, batch: int, slot: int) -> bool:
+        """May ``agent_id`` open a consumer for its read of (batch, slot)? Within the cap, yes; at the cap,
+        once another agent closed one it did not use in this batch (it has left the group on return: the
+        group never sees more than the cap). No if none could move (the cap was lowered by a refusal)."""
+        with self.ledger.lock:
+            if self.members.may_open(agent_id, batch, slot):
+                return True
+            movable = [(a, self.agents.get(a)) for a in self.members.movable(agent_id, batch)]
+        for victim, conn in movable:
+            if conn is None:
+                continue
+            try:
+                rep, _ = call(conn, Trim(batch, 0.0, 1), timeout=MOVE_TIMEOUT_S)
+            except Exception as e:  # gone or slow: try the next
+                log.debug("agent %s did not give up a member: %s", victim, e)
+                continue
+            with self.ledger.lock:
+                self.members.reported(victim, int(rep["members"]))
+                if self.members.may_open(agent_id, batch, slot):
+                    log.info("batch %d slot %d: a share consumer moves from agent %s to agent %s (the query's members "
+                             "are capped at %d)", batch, slot, victim, agent_id, self.members.cap)
+                    return True
+        log.warning("batch %d slot %d: agent %s has no free share consumer and the query has its %d members elsewhere, "
+                    "all in use: the slot reads nothing", batch, slot, agent_id, self.members.cap)
+        return False
 
     def _on_acquired(self, conn: wire.RpcConnection, m: Acquired) -> dict:
-        self.ledger.acquired(m, agent_of(conn))
-        conn.info["members"] = m.members
+        agent_id = agent_of(conn)
+        self.ledger.acquired(m, agent_id)
+        with self.ledger.lock:
+            if m.refused:
+                self._member_refused(agent_id, m)
+            else:
+                self.members.reported(agent_id, m.members, m.batch, m.slot, m.session)
         return {"ok": True}
+
+    def _member_refused(self, agent_id: str, m: Acquired) -> None:
+        """The group refused a member of this query (group.share.max.size). It reads on with the members
+        the group admitted (fewer slots from the next batch on), or fails if it admitted none. Call
+        with the ledger's lock held."""
+        before = self.members.cap
+        group = self.opts.group_id
+        if not self.members.refuse(agent_id, m.batch, m.slot, m.members):
+            if not self.failure:
+                self.failure = (f"share group {group!r} refused this query's share consumers: it has reached the "
+                                "broker's group.share.max.size (the most members a share group may have; 200 by "
+                                f"default). The query asked for {self.members.wanted} (numPartitions) and the group "
+                                "admitted none: other consumers of the group hold every place. Raise "
+                                "group.share.max.size on the brokers, or stop the group's other consumers")
+                log.error("spark-share tracker %s: %s", self.tracker_id, self.failure)
+            return
+        self.policy.num_slots = min(self.policy.num_slots, self.members.cap)
+        if self.members.cap < before:
+            log.warning("spark-share tracker %s: share group %r refused a share consumer: it has reached the broker's "
+                        "group.share.max.size (the most members a share group may have; 200 by default). The query "
+                        "asked for %d (numPartitions) and reads on with the %d the group admitted, %d read tasks a "
+                        "batch from now on. Raise group.share.max.size on the brokers, or lower numPartitions (other "
+                        "consumers of the group count towards the limit too)", self.tracker_id, group,
+                        self.members.wanted, self.members.cap, self.policy.num_slots)
 
     def _on_fetch(self, conn: wire.RpcConnection, m: Fetch) -> tuple[dict, bytes]:
         with self.ledger.lock:
@@ -224,6 +314,10 @@ class Tracker:
 
     def _on_drain(self, conn: wire.RpcConnection, m: Drain) -> dict:
         self._serve_query(m.query_id)
+        missing = [tp for tp in self.metadata.partitions if tp not in self.start_high]
+        if missing and self.policy.available_now_target is None:
+            # Their leaders did not answer when the run started: their watermarks as of now, then.
+            self.start_high.update({tp: v for tp, v in self.metadata.complete_high().items() if tp in missing})
         with self.ledger.lock:
             if self.policy.available_now_target is None:
                 # From now on the batches run as under Trigger.AvailableNow, towards what was queued
@@ -262,7 +356,7 @@ class Tracker:
     # planning -----------------------------------------------------------------------------
     def prepare_available_now(self) -> None:
         self.metadata.refresh()
-        self.policy.start_available_now(self.metadata.high)
+        self.policy.start_available_now(self.metadata.complete_high())
 
     def should_run(self, last_batch: int) -> bool:
         """Is a batch after ``last_batch`` worth running? Answers from memory (see ``policy``)."""
@@ -271,7 +365,26 @@ class Tracker:
         if wait:
             self.ledger.wait_acked(last_batch, timeout=self._ack_wait_s)
         with self.ledger.lock:
-            return self._decide(self.batches.get(last_batch))
+            last = self.batches.get(last_batch)
+            goes_on = self._decide(last)
+            unpolled = self._unpolled(last) if goes_on else []
+        for conn in unpolled:
+            # A drain waits for partitions no poll of its own answered; consumers of the query that no
+            # read polled in that batch may hold them: they leave, and the broker gives their partitions
+            # to polled ones.
+            call_async(conn, Trim(last_batch, 0.0))
+        return goes_on
+
+    def _unpolled(self, last: BatchState | None) -> list[wire.RpcConnection]:
+        """After an empty batch of a drain with unanswered partitions, once: the connections of agents
+        holding consumers that no read of that batch polled. Call with the ledger's lock held."""
+        if (last is None or last.rows or self.policy.available_now_target is None or not self.policy.unresolved()
+                or self._drain_trimmed >= last.batch):
+            return []
+        self._drain_trimmed = last.batch
+        used = Counter(a["agent"] for a in last.acquired.values() if a.get("session"))
+        return [self.agents[name] for name, a in self.members.agents.items()
+                if a.members > used[name] and name in self.agents]
 
     def _decide(self, last: BatchState | None) -> bool:
         """The policy's answer for a batch after ``last``; a drain that ends with partitions no poll of
@@ -324,6 +437,26 @@ class Tracker:
         if failure and not self.failure:
             self.failure = failure
 
+    def _after_batch(self, b: BatchState) -> None:
+        """Once ``b`` is acknowledged (the acknowledger's thread, off Spark's path): agents holding share
+        consumers that no read used lately close them, within a record lock of their last poll, so a
+        host Spark stopped reading on gives its members back (their partitions go to polled ones)."""
+        idle_s = self.policy.lock_ms / 2000.0
+        with self.ledger.lock:
+            if self.ledger.stopping:
+                return
+            self.members.settled(b.batch)
+            asked = [(a, self.agents.get(a)) for a in self.members.idle(b.batch, idle_s)]
+        futures = {a: call_async(conn, Trim(b.batch - IDLE_BATCHES + 1, idle_s)) for a, conn in asked if conn}
+        wait_futures(list(futures.values()), timeout=MOVE_TIMEOUT_S)
+        for a, f in futures.items():
+            try:
+                rep, _ = f.result(timeout=0)
+            except Exception:  # gone or slow: asked again after a while
+                continue
+            with self.ledger.lock:
+                self.members.reported(a, int(rep["members"]))
+
     # progress -----------------------------------------------------------------------------
     def _estimate_backlog(self) -> None:
         """After a watermark refresh (the watermark thread): the backlog estimate that progress and
@@ -337,8 +470,11 @@ class Tracker:
             self._backlog_logged = now
             log.info("%s", backlog.line(view))
 
-    def progress(self) -> dict:
+    def progress(self, hosts: int = 20) -> dict:
+        """The counters of each progress report (Spark logs it): bounded whatever the partitions and hosts."""
         ledger = self.ledger.progress()
+        with self.ledger.lock:
+            members = self.members.view(top=hosts)
         last = ledger.pop("lastAcked")
         return {"v": 1, "tracker": self.tracker_id, "batch": ledger.pop("batch"),
                 "inflightRecords": ledger.pop("inflightRecords"), "agents": len(self.agents),
@@ -347,11 +483,12 @@ class Tracker:
                 "lockHeadroomMs": self.policy.headroom_ms(last.get("holdMs") if last else None),
                 **ledger, "relayed": {"reads": self.roster.relays, "bytes": self.roster.relayed_bytes},
                 "lastAcked": last, "backlogEstimate": self.backlog.get("backlogEstimate"),
-                "backlog": self.backlog.get("partitions")}
+                "backlogTop": backlog.top(self.backlog), **members}
 
     def status(self) -> dict:
-        out = self.progress()
+        out = self.progress(hosts=1 << 30)
         out["query"] = self.query_id
+        out["backlog"] = self.backlog.get("partitions")
         view = self.ledger.status()
         out["batches"], out["sessions"] = view["batches"], view["sessions"]
         out["hosts"] = self.roster.hosts(view["claims"])

@@ -1,10 +1,13 @@
 """The high watermarks of the subscribed partitions, kept in memory by a background thread.
 
-Owns: one plain Kafka client kept alive for the whole run (the embedded broker drops every share
-session when any client disconnects), the check at start that the cluster answers and the topics
-exist, the broker's in-flight cap per partition and the group's lock (asked once), and the partitions'
-high watermarks, refreshed while an idle stream needs them, and at least every BACKLOG_REFRESH_S for the
-backlog estimate (``on_refresh`` is told).
+Owns: a plain Kafka client and an admin client kept alive for the whole run (the embedded broker drops
+every share session when any client disconnects), the check at start that the cluster answers and the
+topics exist, the broker's in-flight cap per partition, its cap on a share group's members and the
+group's lock (asked once), and the partitions' high watermarks: all of them in one batched ListOffsets
+call per refresh (one request per leader, whatever the partitions), while an idle stream needs them,
+and at least every BACKLOG_REFRESH_S for the backlog estimate (``on_refresh`` is told). A partition
+whose leader does not answer keeps its last value and is named in ``unanswered``; ``complete_high``
+retries until every partition has one (a drain's target must not lose a partition), or says which not.
 
 Must never: be called on Spark's ``latestOffset`` path for anything but reading memory, or quote a
 credential in an error.
@@ -14,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..broker_errors import FailureWatch
 from ..errors import SourceError
@@ -24,16 +27,28 @@ from ..options import ShareSourceOptions, scrub
 # embedded broker any client's disconnect ends every share session: a broker stalled for a few
 # seconds must not be met with a short timeout here (the refresh runs off Spark's planning path).
 REFRESH_TIMEOUT_S = 15.0
+COMPLETE_TIMEOUT_S = 60.0  # how long a drain's start retries for partitions whose watermark did not come
 # The first metadata request at start is asked in slices this long: between two, the client's error
 # callback says whether authentication or TLS failed (librdkafka retries those for ever).
 CONNECT_SLICE_S = 2.0
 # A busy stream needs no watermarks to decide on batches; the backlog estimate gets them this often.
 BACKLOG_REFRESH_S = 10.0
+# While an idle stream wants them, refreshes follow one another this closely at most, and never take
+# more than a tenth of the thread's time (10,000 partitions: one refresh costs about 0.5 s of Python).
+MIN_INTERVAL_S = 0.25
+REFRESH_DUTY = 0.1
 
 log = logging.getLogger("spark_share.driver.tracker")
 RECORD_LOCKS_CONFIG = "group.share.partition.max.record.locks"
 GROUP_LOCK_CONFIG = "share.record.lock.duration.ms"  # the group's own
 BROKER_LOCK_CONFIG = "group.share.record.lock.duration.ms"  # the default of groups that set none
+MAX_MEMBERS_CONFIG = "group.share.max.size"  # members a share group may have (Kafka: 200 by default)
+
+
+class ShareLimits(NamedTuple):
+    record_locks: int | None
+    lock_ms: int | None
+    max_members: int | None
 
 
 def _int(entry) -> int | None:
@@ -82,35 +97,40 @@ class MetadataWatcher:
         self.partitions: list[tuple[str, int]] = sorted(
             (t, p) for t in opts.topics for p in md.topics[t].partitions)
         self._brokers = sorted(md.brokers)
-        self._admin: Any = None
+        from confluent_kafka.admin import AdminClient
+
+        # Kept until close(): on the embedded broker a client's disconnect ends every share session.
+        self._admin: Any = AdminClient(dict(self._opts.producer_config()))
         self.high: dict[tuple[str, int], int] = {}
+        self.unanswered: list[tuple[str, int]] = []  # partitions the last refresh got no high watermark for
         self.version = 0
         self._wanted = wanted
         self._on_refresh = on_refresh
         self._refreshed_at = 0.0
+        self._refresh_took = 0.0
         self._stop = threading.Event()
         self.refresh()
         self._thread = threading.Thread(target=self._loop, name="spark-share-watermarks", daemon=True)
         self._thread.start()
 
-    def share_limits(self, timeout_s: float = 10.0) -> tuple[int | None, int | None]:
-        """(the broker's ``group.share.partition.max.record.locks``: records of a partition the group
-        may have in flight; the group's record lock duration in ms: its ``share.record.lock.duration.ms``,
-        else the broker's ``group.share.record.lock.duration.ms``). None where the cluster does not say
-        (no DescribeConfigs permission; the embedded broker does not implement it). Asked once, when
-        the query starts."""
-        from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
+    def share_limits(self, timeout_s: float = 10.0) -> ShareLimits:
+        """What the cluster says of the group, asked once when the query starts: the broker's
+        ``group.share.partition.max.record.locks`` (records of a partition the group may have in
+        flight), the group's record lock duration in ms (its ``share.record.lock.duration.ms``, else the
+        broker's ``group.share.record.lock.duration.ms``) and the broker's ``group.share.max.size``
+        (members a share group may have). None where the cluster does not say (no DescribeConfigs
+        permission; the embedded broker does not implement it)."""
+        from confluent_kafka.admin import ConfigResource, ResourceType
 
         if not self._brokers:
-            return None, None
-        # Kept until close(): on the embedded broker a client's disconnect ends every share session.
-        self._admin = AdminClient(dict(self._opts.producer_config()))
+            return ShareLimits(None, None, None)
         broker = self._configs(ConfigResource(ResourceType.BROKER, str(self._brokers[0])), timeout_s)
         if broker is None:  # the embedded broker, or no permission: the group will not answer either
-            return None, None
+            return ShareLimits(None, None, None)
         group = self._configs(ConfigResource(ResourceType.GROUP, self._opts.group_id), timeout_s) or {}
-        return (_int(broker.get(RECORD_LOCKS_CONFIG)),
-                _int(group.get(GROUP_LOCK_CONFIG)) or _int(broker.get(BROKER_LOCK_CONFIG)))
+        return ShareLimits(_int(broker.get(RECORD_LOCKS_CONFIG)),
+                           _int(group.get(GROUP_LOCK_CONFIG)) or _int(broker.get(BROKER_LOCK_CONFIG)),
+                           _int(broker.get(MAX_MEMBERS_CONFIG)))
 
     def _configs(self, resource, timeout_s: float) -> dict | None:
         try:
@@ -119,26 +139,62 @@ class MetadataWatcher:
         except Exception:
             return None
 
-    def refresh(self) -> None:
+    def refresh(self) -> list[tuple[str, int]]:
+        """Every partition's high watermark, in one batched call; the partitions that did not answer
+        (they keep their last value) are returned and kept in ``unanswered``."""
         from confluent_kafka import TopicPartition
+        from confluent_kafka.admin import OffsetSpec
 
+        started = time.monotonic()
+        deadline = started + REFRESH_TIMEOUT_S + 5
+        missing = []
         changed = False
-        for t, p in self.partitions:
+        try:
+            futures = self._admin.list_offsets({TopicPartition(t, p): OffsetSpec.latest() for t, p in self.partitions},
+                                               request_timeout=REFRESH_TIMEOUT_S)
+        except Exception as e:  # refused outright (the client is closing): nothing answered
+            log.debug("listing offsets failed: %s", scrub(str(e), self._secrets))
+            futures = {}
+        answered = set()
+        for tp, f in futures.items():
+            key = (tp.topic, tp.partition)
             try:
-                _, high = self.client.get_watermark_offsets(TopicPartition(t, p), timeout=REFRESH_TIMEOUT_S,
-                                                            cached=False)
+                high = f.result(timeout=max(0.0, deadline - time.monotonic())).offset
             except Exception:
-                break  # the broker did not answer in time: the other partitions' requests would wait too
-            if self.high.get((t, p)) != high:
-                self.high[(t, p)] = high
+                continue
+            answered.add(key)
+            if self.high.get(key) != high:
+                self.high[key] = high
                 changed = True
+        missing = [tp for tp in self.partitions if tp not in answered]
         if changed:
             self.version += 1
+        if missing and missing != self.unanswered:
+            log.warning("no high watermark for %d of %d partitions (e.g. %s): their leaders did not answer within "
+                        "%.0f s; their last known values stand", len(missing), len(self.partitions),
+                        ", ".join(f"{t}-{p}" for t, p in missing[:5]), REFRESH_TIMEOUT_S)
+        self.unanswered = missing
         self._refreshed_at = time.monotonic()
+        self._refresh_took = self._refreshed_at - started
+        return missing
+
+    def complete_high(self, timeout_s: float = COMPLETE_TIMEOUT_S) -> dict[tuple[str, int], int]:
+        """Every partition's high watermark, refreshing until each has answered at least once: what a
+        drain reads up to must leave no partition out. SourceError after ``timeout_s``, naming them."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            missing = [tp for tp in self.partitions if tp not in self.high]
+            if not missing:
+                return dict(self.high)
+            if time.monotonic() > deadline:
+                raise SourceError(f"the high watermarks of {len(missing)} partitions ({', '.join(f'{t}-{p}' for t, p in missing[:10])}) "
+                                  f"could not be read within {timeout_s:.0f} s: their leaders did not answer. Nothing "
+                                  "was read; a drain must know where each partition's queue ends. Check the brokers, "
+                                  "then run it again")
+            self.refresh()
 
     def _loop(self) -> None:
-        interval = max(0.25, 0.02 * len(self.partitions))  # one ListOffsets request per partition
-        while not self._stop.wait(interval):
+        while not self._stop.wait(max(MIN_INTERVAL_S, self._refresh_took / REFRESH_DUTY)):
             if self._wanted() or time.monotonic() - self._refreshed_at >= BACKLOG_REFRESH_S:
                 self.refresh()
                 try:

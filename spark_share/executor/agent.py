@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import runtime
 from ..acknowledgement import ACCEPT
-from ..errors import BatchRefused, PeerConnectionError
+from ..errors import BatchRefused, MemberRefused, PeerConnectionError
 from ..options import sized
 from ..transport import wire
 from ..transport.protocol import (
@@ -50,6 +50,7 @@ from ..transport.protocol import (
     Prefetch,
     Read,
     Shutdown,
+    Trim,
     call,
     dispatcher,
 )
@@ -99,6 +100,7 @@ class Agent:
                                     scrub=self._scrub)
         hello, _ = call(self.tracker, Hello(self.agent_id, socket.gethostname(), os.getpid()), timeout=30)
         self.config = hello
+        self.tracker.set_keepalive(float(hello["dead_after_s"]))  # a tracker gone silent is a tracker gone
         self._consumer_config = sized(consumer_config, hello.get("max_poll_records"))
         self._producer_config = producer_config
         # Dead letters carry the original headers even when the query does not read them.
@@ -155,9 +157,11 @@ class Agent:
                 if key in self._cache:
                     continue
             # the other poll failed; try ourselves
+        session, polled = self.pool.reserve(batch, max_records)
         try:
             claim, _ = call(self.tracker, Claim(batch, slot, query_id, spark_batch, connect_session,
-                                                carrying=self.pool.carrying_for(batch)), timeout=60)
+                                                carrying=session.carrying if session else 0,
+                                                needs_member=session is None), timeout=60)
             if claim["owner"] is None:  # acquired by an agent that is gone: no new records under this id
                 return {"rows": 0, "cached": False, "lost": True}, records.to_ipc(
                     records.empty_batch(self.config["include_headers"]))
@@ -166,18 +170,24 @@ class Agent:
                 rep, ipc = call(self.tracker, Fetch(batch, slot), timeout=120)
                 return {"rows": rep.get("rows", 0), "cached": True, "relayed": True}, ipc
             granted = claim.get("max_records", max_records)
-            if granted == 0:  # the batch's cap went to reads whose sessions carry records: acquire nothing
+            if granted == 0 or (session is None and not claim.get("open")):
+                # The batch's cap went to reads whose sessions carry records, or the query has all the
+                # members it may have and none could move here: acquire nothing.
                 return self._read_nothing(batch, slot, spark_batch, query_id, key)
-            session, polled = self.pool.take(batch, max_records)
+            if session is None:
+                session = self.pool.open(batch, max_records)
+            taken, session = session, None  # from here on, the read owns it
             try:
                 if polled is None:
-                    polled = session.poll(batch, slot, granted, poll_budget(session, poll_timeout_ms),
-                                          claim.get("carry_ms"))
+                    polled = taken.poll(batch, slot, granted, poll_budget(taken, poll_timeout_ms), claim.get("carry_ms"))
                 rb, holding = polled.result()
                 holding.batch, holding.slot = batch, slot
+            except MemberRefused as e:
+                return self._refused(taken, batch, slot, spark_batch, query_id, key, str(e))
             except BaseException:
-                self.pool.give_back(session)
+                self.pool.give_back(taken)
                 raise
+            session = taken
             acquired = holding.acquired if rb.num_rows else {}
             converting = time.perf_counter()
             out, poison = self._visible(rb)
@@ -204,12 +214,28 @@ class Agent:
                 self.pool.give_back(session)
             with self._lock:
                 self._cache[key] = entry
+            session = None
             return {"rows": out.num_rows, "cached": False}, ipc
         finally:
+            if session is not None:  # reserved and not used: free for the next read
+                self.pool.give_back(session)
             with self._lock:
                 ev = self._inflight.pop(key, None)
             if ev is not None:
                 ev.set()
+
+    def _refused(self, session, batch: int, slot: int, spark_batch, query_id, key, why: str) -> tuple[dict, bytes]:
+        """The group refused the member this read opened (group.share.max.size): it leaves, the read gets
+        nothing, and the tracker learns the group's limit (it reads on with the members it has, or
+        fails the query saying why)."""
+        self.pool.drop(session)
+        log.warning("agent %s: %s", self.agent_id, why)
+        call(self.tracker, Acquired(batch, slot, rows=0, spark_batch=spark_batch, members=len(self.pool),
+                                    refused=why), timeout=60)
+        ipc = records.to_ipc(records.empty_batch(self.config["include_headers"]))
+        with self._lock:
+            self._cache[key] = Cached(batch, slot, None, ipc, 0, 0, query_id=query_id)
+        return {"rows": 0, "cached": False}, ipc
 
     def _read_nothing(self, batch: int, slot: int, spark_batch, query_id, key) -> tuple[dict, bytes]:
         """A slot granted no records: it reads nothing, and the tracker knows so (empty, not timed out)."""
@@ -256,6 +282,10 @@ class Agent:
         if hit is None:
             raise BatchRefused(f"batch {m.batch} slot {m.slot} is not cached here")
         return {"rows": hit.rows}, hit.ipc
+
+    def _on_trim(self, conn, m: Trim) -> dict:
+        closed = self.pool.trim(m.not_since_batch, m.idle_s, m.at_most)
+        return {"closed": closed, "members": len(self.pool)}
 
     def _on_shutdown(self, conn, m: Shutdown) -> dict:
         threading.Thread(target=self.shutdown, name="agent-shutdown", daemon=True).start()

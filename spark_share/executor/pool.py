@@ -2,10 +2,12 @@
 
 Owns: starting sessions (all a batch needs at once, so no member joins mid-batch), choosing the
 session a read of a batch polls with (every session once per batch before any is reused), polls
-started ahead of a batch's read tasks, and replacing sessions when the batch size is lowered.
+started ahead of a batch's read tasks, replacing sessions when the batch size is lowered, and closing
+the sessions the tracker says the query no longer needs here (the group's members are capped).
 
 Must never: hand a read a session that still holds records no acknowledgement has been queued for
-(``busy``), or one another read holds.
+(``busy``), or one another read holds; open a session the tracker did not grant (``open``), or close
+one that holds or carries records (``trim``).
 """
 from __future__ import annotations
 
@@ -81,8 +83,10 @@ class SessionPool:
         if pending:
             self.prefetch(*pending)
 
-    def take(self, batch: int, max_records: int | None) -> tuple[ShareSession, Future | None]:
-        """Reserve a session for a read of ``batch``: (session, its prefetched poll or None).
+    def reserve(self, batch: int, max_records: int | None) -> tuple[ShareSession | None, Future | None]:
+        """Reserve a free session for a read of ``batch``: (session, its prefetched poll or None), or
+        (None, None) when none is free: whether a new one may join the group is the tracker's to say
+        (the query's members are capped), and ``open`` starts it.
 
         A session that polled ahead for this batch (``prefetch``) comes first; otherwise a free
         session whose polls are no bigger than ``max_records``.
@@ -100,25 +104,52 @@ class SessionPool:
             self._resize(max_records)
             with self._lock:
                 fits = [s for s in self._prefetched if s not in self._reserved] + self._free(max_records)
-                if fits:
-                    s = min(fits, key=lambda s: (s not in self._prefetched, self._poll_order(s, batch)))
-                    self._reserve(s, batch)
-                    return s, self._prefetched.pop(s, None)
+                if not fits:
+                    return None, None
+                s = min(fits, key=lambda s: (s not in self._prefetched, self._poll_order(s, batch)))
+                self._reserve(s, batch)
+                return s, self._prefetched.pop(s, None)
+
+    def open(self, batch: int, max_records: int | None) -> ShareSession:
+        """A new session, reserved for a read of ``batch`` (the tracker granted the member)."""
         s = self._new(max_records)
         with self._lock:
             self.sessions.append(s)
             self._reserve(s, batch)
         log.info("%s: started share session %s", self.name, s.session_id)
-        return s, None
+        return s
 
-    def carrying_for(self, batch: int) -> int:
-        """The records carried by the session a read of ``batch`` would take now (``take``
-        prefers one that carries records and has not polled in this batch): the tracker may grant that
-        read more."""
+    def drop(self, session: ShareSession) -> None:
+        """Close a session the group refused (or that failed for good) and forget it."""
         with self._lock:
-            carriers = [s for s in self._free() if s.carrying and self._last_taken.get(s.session_id, (-1,))[0] != batch]
-            best = max(carriers, key=lambda s: s.carrying, default=None)
-            return best.carrying if best is not None else 0
+            if session in self.sessions:
+                self.sessions.remove(session)
+            self._reserved.discard(session)
+            self._prefetched.pop(session, None)
+            self._last_taken.pop(session.session_id, None)
+        session.close()
+
+    def trim(self, not_since_batch: int, idle_s: float, at_most: int | None = None) -> int:
+        """Close free sessions (none carrying records) that have polled neither in a batch from
+        ``not_since_batch`` on nor for ``idle_s`` (since they started, if they never polled), the longest
+        unpolled first, at most ``at_most``; returns how many left the group (they have, on return)."""
+        now = time.monotonic()
+        with self._resize_lock:
+            with self._lock:
+                def last(s):
+                    return self._last_taken.get(s.session_id, (-1, s.created_at))
+
+                idle = sorted((s for s in self._free() if not s.carrying
+                               and last(s)[0] < not_since_batch and now - last(s)[1] >= idle_s),
+                              key=lambda s: last(s)[1])[:at_most]
+                for s in idle:
+                    self.sessions.remove(s)
+                    self._last_taken.pop(s.session_id, None)
+            wait_futures([s.close() for s in idle], timeout=10)
+        if idle:
+            log.info("%s: closed %d share sessions no read used (%s); %d left", self.name, len(idle),
+                     ", ".join(s.session_id for s in idle), len(self.sessions))
+        return len(idle)
 
     def _size_for(self, max_records: int | None) -> int | None:
         """max.poll.records of a session for reads with this budget (None: any size will do)."""

@@ -26,7 +26,7 @@ from typing import Any
 
 from ..acknowledgement import ACCEPT, RELEASE, AckOutcome
 from ..broker_errors import FailureWatch
-from ..errors import AgentError, SourceError
+from ..errors import AgentError, MemberRefused, SourceError
 from . import records
 from .session_acks import Holding, acknowledge_held, error_code
 from .session_stats import STATS_INTERVAL_MS, FetchStats
@@ -37,6 +37,7 @@ POLL_SLICE_S = 0.05  # how often an empty poll looks at the fetch state
 # A consumer not polled for max.poll.interval.ms (5 min by default: a long trigger, a session the
 # pool did not need) leaves the group; its next poll raises this once, and the poll after rejoins.
 ERR_MAX_POLL_EXCEEDED = -147
+ERR_GROUP_MAX_SIZE_REACHED = 81  # the group is full (group.share.max.size): fatal for this consumer
 # librdkafka queues a statistics op (a ~10 KB JSON text) every STATS_INTERVAL_MS on the consumer's
 # queue, and only a call on the consumer serves (and frees) it: a session nobody polls for a long
 # time (a long processingTime trigger, an idle host) grew by about 0.5 GB an hour. A session that
@@ -283,6 +284,10 @@ class ShareSession:
             try:
                 msgs = list(self.consumer.poll(wait))
             except Exception as e:
+                if error_code(e)[0] == ERR_GROUP_MAX_SIZE_REACHED:
+                    raise MemberRefused(
+                        f"share session {self.session_id} was refused by the share group: it has reached the "
+                        "broker's group.share.max.size (members of a share group, 200 by default)") from None
                 if error_code(e)[0] != ERR_MAX_POLL_EXCEEDED or rejoining:
                     raise
                 log.info("session %s: left the group after max.poll.interval.ms without a poll; rejoining",

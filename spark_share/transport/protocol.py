@@ -55,6 +55,9 @@ class Claim(Message):
     spark_batch: int | None = None
     connect_session: str | None = None  # the Spark Connect session of the reading job (foreachBatch under Connect)
     carrying: int = 0  # records the asking agent's session for this read carries from earlier polls
+    # No consumer of the asking agent is free for this read: the reply's ``open`` says whether it may
+    # start one (the query's members are capped: another agent may first have had to close one).
+    needs_member: bool = False
 
 
 @dataclass
@@ -76,6 +79,7 @@ class Acquired(Message):
     convert_ms: float = 0.0  # the agent's work on these rows: messages -> Arrow -> IPC
     # An empty poll the broker answered: the [topic, partition]s it answered for (nothing available)
     answered: list[list] = field(default_factory=list)
+    refused: str | None = None  # the group refused the member this read opened (group.share.max.size): why
 
 
 @dataclass
@@ -164,6 +168,17 @@ class DeadLetter(Message):
 
 
 @dataclass
+class Trim(Message):
+    """Close the free consumers (none holding or carrying records) that polled neither in a batch from
+    ``not_since_batch`` on nor in the last ``idle_s`` seconds, at most ``at_most``; the reply says how
+    many left the group (``closed``) and how many are left (``members``)."""
+    op: ClassVar[str] = "trim"
+    not_since_batch: int
+    idle_s: float = 0.0
+    at_most: int | None = None
+
+
+@dataclass
 class Shutdown(Message):
     """Release everything, close the consumers and exit."""
     op: ClassVar[str] = "shutdown"
@@ -189,7 +204,7 @@ class Read(Message):
 
 
 TO_TRACKER: tuple[type[Message], ...] = (Hello, Claim, Acquired, Fetch, Committed, Verdicts, Status, Drain)
-TRACKER_TO_AGENT: tuple[type[Message], ...] = (Prefetch, Ack, AckResult, DeadLetter, Fetch, Shutdown, Ping)
+TRACKER_TO_AGENT: tuple[type[Message], ...] = (Prefetch, Ack, AckResult, DeadLetter, Fetch, Trim, Shutdown, Ping)
 TASK_TO_AGENT: tuple[type[Message], ...] = (Read, Ping)
 
 

@@ -35,30 +35,29 @@ class FakeAgent:
 
     def __init__(self, agent_id: str, *, slots: dict | None = None, written: int | None = None,
                  ack_error: Exception | None = None, dead_letter_error: Exception | None = None,
-                 result_error: Exception | None = None, hold_result: threading.Event | None = None):
+                 result_error: Exception | None = None, hold_result: threading.Event | None = None,
+                 hang_ack: bool = False):
         self.info = {"agent_id": agent_id}
         self.sent: list[dict] = []
-        self.timeouts: list[float | None] = []
+        self.closed = False
         self.slots = slots if slots is not None else {}
         self.written = written
         self.ack_error = ack_error
         self.dead_letter_error = dead_letter_error
         self.result_error = result_error
         self.hold_result = hold_result  # the AckResult answers only once this is set
+        self.hang_ack = hang_ack  # never answers an Ack (a hung agent, or one cut off)
         self.result_asked = threading.Event()
-
-    def call(self, header: dict, blob: bytes = b"", timeout: float | None = None):
-        self.sent.append(header)
-        self.timeouts.append(timeout)
-        assert header["op"] == "ack", f"only an Ack is sent synchronously, got {header['op']}"
-        if self.ack_error is not None:
-            raise self.ack_error
-        return {"queued": 1}, b""
 
     def call_async(self, header: dict, blob: bytes = b"") -> Future:
         self.sent.append(header)
         f: Future = Future()
-        if header["op"] == "deadletter":
+        if header["op"] == "ack":
+            if self.ack_error is not None:
+                f.set_exception(self.ack_error)
+            elif not self.hang_ack:
+                f.set_result(({"queued": 1}, b""))
+        elif header["op"] == "deadletter":
             if self.dead_letter_error is not None:
                 f.set_exception(self.dead_letter_error)
             else:
@@ -76,6 +75,9 @@ class FakeAgent:
         else:
             raise AssertionError(f"unexpected request {header['op']}")
         return f
+
+    def close(self) -> None:
+        self.closed = True
 
     def ops(self) -> list[str]:
         return [h["op"] for h in self.sent]
@@ -155,7 +157,6 @@ def test_a_committed_batch_is_accepted_by_every_agent_that_read_a_slot(rig):
         assert agent.ops() == ["ack", "ack_result"]  # queued first, then asked what the broker said
         (ack,) = agent.acks()
         assert (ack["batch"], ack["default"], ack["verdicts"], ack["timeout_s"]) == (0, ACCEPT, [], 2.0)
-        assert agent.timeouts == [12.0]  # the call itself is bounded too
     assert r.finished == [(0, ACCEPT)]
     assert b.outcome == AckOutcome(accepted=10) and b.acked_at is not None
 
@@ -283,6 +284,25 @@ def test_an_ack_the_agent_does_not_take_counts_its_records_as_failed(rig, error,
     r.wait_finished(9)
     assert a.ops() == ["ack"], "an agent that did not queue the acknowledgement is not asked for its answer"
     assert (b.outcome.failed, b.outcome.errors) == (10, {name: 10})
+
+
+def test_a_hung_agent_costs_one_ack_timeout_once_and_the_others_are_not_held_up(rig):
+    """Acknowledgements go to every holder at once, each bounded by ackTimeoutMs: an agent that never
+    answers (hung, or cut off from the driver) delays the batch by that at most, its records count as
+    failed (the broker's lock brings them back), and its connection is closed so that no later batch
+    waits for it again."""
+    hung = FakeAgent("h", hang_ack=True)
+    fine = [FakeAgent(f"a{i}", slots={"0": answer(accepted=10)}) for i in range(20)]
+    r = rig({"h": hung, **{a.info["agent_id"]: a for a in fine}}, ackTimeoutMs="500")
+    b = batch(0, ("h", 7, 0, 0, 6), *[(a.info["agent_id"], 10, 1, 10 * i, 10 * i + 9) for i, a in enumerate(fine)])
+    t0 = time.monotonic()
+    assert r.acknowledge(b, ACCEPT) is None
+    took = time.monotonic() - t0
+    assert 0.5 <= took < 1.5, f"one hung agent held the batch {took:.2f} s (ackTimeoutMs 0.5 s, 20 others)"
+    assert hung.closed and not any(a.closed for a in fine)
+    r.wait_finished(0)
+    assert b.outcome.failed == 7 and b.outcome.errors == {"ACK_TIMEOUT": 7}
+    assert b.outcome.accepted == 200 and all(a.ops() == ["ack", "ack_result"] for a in fine)
 
 
 def test_an_answer_that_does_not_come_counts_the_agents_records_as_failed(rig):

@@ -16,7 +16,7 @@ BUILTIN_PARENT = {errors.OptionError: ValueError, errors.ConfigError: ValueError
                   errors.JobError: RuntimeError, errors.EmbeddedKafkaError: RuntimeError,
                   errors.RemoteError: RuntimeError, errors.RuntimeDirError: PermissionError,
                   errors.AuthError: ConnectionError, errors.PeerConnectionError: ConnectionError,
-                  errors.UnsupportedSparkError: ImportError}
+                  errors.UnsupportedSparkError: ImportError, errors.MemberRefused: RuntimeError}
 
 
 def test_every_error_has_the_common_base_and_its_builtin_parent():

@@ -236,11 +236,11 @@ def test_the_batch_cap_goes_first_to_reads_whose_sessions_carry_records():
     p = BatchPolicy(num_slots=3, idle_probe_ms=10_000, max_records_per_trigger=300)
     b = BatchState(0, 3, 300)
     assert p.grant(b, 0, carrying=900) == 300, "a carrier takes the whole cap"
-    b.granted[0] = 300
+    b.granted[0] = b.granted_total = 300
     assert p.grant(b, 1, carrying=0) == 0 and p.grant(b, 2, carrying=500) == 0, "nothing left: no new polls"
     even = BatchState(1, 3, 300)
     assert [p.grant(even, s, 0) for s in range(3)] == [100] * 3, "no carry: the even share"
-    even.granted = {0: 100, 1: 100}
+    even.granted, even.granted_total = {0: 100, 1: 100}, 200
     assert p.grant(even, 2, carrying=150) == 100, "never more than what is left"
     p.lock_safe_records = 120
     assert p.grant(BatchState(2, 3, 300), 0, carrying=900) == 120, "lock-safe records per consumer still cap it"
@@ -249,7 +249,7 @@ def test_the_batch_cap_goes_first_to_reads_whose_sessions_carry_records():
     ahead.prefetched = True
     assert p.grant(ahead, 0, carrying=900) == 100, "polled ahead at planning: the shares the polls started with"
     late = BatchState(5, 3, 300)
-    late.granted = {0: 300}
+    late.granted, late.granted_total = {0: 300}, 300
     p.lock_safe_records = None
     assert p.grant(late, 1, carrying=900) == 0, "the cap is never exceeded, however much is carried"
 

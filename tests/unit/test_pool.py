@@ -1,4 +1,5 @@
-"""How the agent's session pool chooses: every share session once per batch, busy ones skipped."""
+"""How the agent's session pool chooses: every share session once per batch, busy ones skipped; a new
+one only when the tracker grants it; idle ones closed when the tracker says the query needs them no more."""
 from __future__ import annotations
 
 from spark_share.executor.pool import SessionPool
@@ -10,6 +11,16 @@ class FakeSession:
         self.busy = False
         self.carrying = 0
         self.max_poll_records = 500
+        self.created_at = 0.0
+        self.closed = False
+
+    def close(self):
+        from concurrent.futures import Future
+
+        self.closed = True
+        f = Future()
+        f.set_result(None)
+        return f
 
     def joined(self, timeout_s):
         from concurrent.futures import Future
@@ -32,7 +43,7 @@ def test_every_session_is_polled_once_per_batch_before_any_is_reused():
         # Two task slots at a time, as local[2]; empty polls hand their session back at once.
         seen = []
         for slot in range(4):
-            s, _ = a.take(batch, None)
+            s, _ = a.reserve(batch, None)
             seen.append(s.session_id)
             a.give_back(s)
         assert sorted(seen) == ["s0", "s1", "s2", "s3"], f"batch {batch} polled {seen}"
@@ -42,12 +53,15 @@ def test_busy_and_reserved_sessions_are_skipped():
     sessions = [FakeSession(i) for i in range(3)]
     a = pool_of(sessions)
     sessions[0].busy = True
-    first, _ = a.take(0, None)
-    second, _ = a.take(0, None)
+    first, _ = a.reserve(0, None)
+    second, _ = a.reserve(0, None)
     assert {first.session_id, second.session_id} == {"s1", "s2"}
+    assert a.reserve(0, None) == (None, None), "none free: a new one is the tracker's to grant"
+    third = a.open(0, None)
+    assert third.session_id == "s3" and len(a) == 4
     a.give_back(first)
     # Only a session already used in this batch is free: it is reused rather than a new one started.
-    assert a.take(0, None)[0] is first
+    assert a.reserve(0, None)[0] is first
 
 
 class SizedSession(FakeSession):
@@ -56,13 +70,6 @@ class SizedSession(FakeSession):
         self.max_poll_records = size
         self.closed = False
 
-    def close(self):
-        from concurrent.futures import Future
-
-        self.closed = True
-        f = Future()
-        f.set_result(None)
-        return f
 
 
 def sized_pool(monkeypatch, full=1000):
@@ -80,19 +87,19 @@ def sized_pool(monkeypatch, full=1000):
 def test_sessions_shrink_with_the_budget_and_grow_back_only_when_none_holds_records(monkeypatch):
     pool, made = sized_pool(monkeypatch)
     assert pool.full_size == 1000
-    s, _ = pool.take(0, 200)  # lowered after lock expiry: every free session is replaced at once
+    s, _ = pool.reserve(0, 200)  # lowered after lock expiry: every free session is replaced at once
     assert s.max_poll_records == 200 and [m.closed for m in made[:2]] == [True, True]
     assert {x.max_poll_records for x in pool.sessions} == {200}
     s.busy = True  # holds batch 0's records
     pool.give_back(s)
-    other, _ = pool.take(1, 400)
+    other, _ = pool.reserve(1, 400)
     assert other.max_poll_records == 200, "no growing while a session holds records"
     pool.give_back(other)
     s.busy = False
-    grown, _ = pool.take(2, 400)
+    grown, _ = pool.reserve(2, 400)
     assert grown.max_poll_records == 400 and {x.max_poll_records for x in pool.sessions} == {400}
     pool.give_back(grown)
-    full, _ = pool.take(3, None)
+    full, _ = pool.reserve(3, None)
     assert full.max_poll_records == 1000, "back to the configured size"
 
 
@@ -123,4 +130,37 @@ def test_a_prefetch_that_comes_while_the_sessions_join_polls_once_they_have():
     assert polled == []
     pool.start(2)
     assert sorted(polled) == [("s0", 0), ("s1", 0)]
-    assert all(pool.take(0, None)[1] is not None for _ in range(2)), "a read did not get the poll started ahead"
+    assert all(pool.reserve(0, None)[1] is not None for _ in range(2)), "a read did not get the poll started ahead"
+
+
+def test_trim_closes_only_free_sessions_not_polled_since_a_batch_nor_for_a_while(monkeypatch):
+    """The tracker caps the query's members: it asks an agent to close the consumers no read used lately
+    (one, to move it to another host; or all idle ones, a host Spark stopped reading on). Never one a read
+    holds, one whose records await an acknowledgement, or one carrying records (closing releases them,
+    and each release spends a delivery)."""
+    from spark_share.executor import pool as pool_module
+
+    clock = [100.0]
+    monkeypatch.setattr(pool_module.time, "monotonic", lambda: clock[0])
+    sessions = [FakeSession(i) for i in range(5)]
+    a = pool_of(sessions)
+    for batch, s in ((3, sessions[0]), (5, sessions[1]), (5, sessions[2])):
+        a._last_taken[s.session_id] = (batch, clock[0])
+    sessions[3].busy = True  # never polled, but holds records
+    held, _ = a.reserve(6, None)  # s4, never polled: a read takes it
+    assert held is sessions[4]
+    sessions[2].carrying = 40
+    clock[0] += 30
+    assert a.trim(not_since_batch=5, idle_s=60) == 0, "none idle for 60 s"
+    assert a.trim(not_since_batch=5, idle_s=15) == 1 and sessions[0].closed
+    assert [s.session_id for s in a.sessions] == ["s1", "s2", "s3", "s4"]
+    assert a.trim(not_since_batch=7, idle_s=0, at_most=1) == 1 and sessions[1].closed, "s2 carries, s3 is busy, s4 is read"
+    assert a.trim(not_since_batch=7, idle_s=0) == 0
+
+
+def test_a_refused_session_is_closed_and_forgotten():
+    sessions = [FakeSession(i) for i in range(2)]
+    a = pool_of(sessions)
+    s, _ = a.reserve(0, None)
+    a.drop(s)
+    assert s.closed and s not in a.sessions and len(a) == 1

@@ -38,6 +38,9 @@ class FakeConn:
     def wait_closed(self, timeout=None) -> bool:
         return self.closed.wait(timeout)
 
+    def set_keepalive(self, dead_after_s: float) -> None:
+        self.dead_after_s = dead_after_s
+
 
 @pytest.fixture
 def roster(monkeypatch):
@@ -52,6 +55,9 @@ def test_a_joining_agent_is_told_what_to_read_and_no_credential(roster):
     reply = roster.joined(conn, Hello("a1", "host-1", 42), latest=None)
     assert roster.conns == {"a1": conn} and agent_of(conn) == "a1" and conn.info["host"] == "host-1"
     assert reply["topics"] == ["t"] and reply["slots"] == 2
+    # Both ends take the other for gone after the same silence: within the record lock (Kafka's default
+    # 30 s as far as the tracker knows), never less than DEAD_AFTER_MIN_S.
+    assert reply["dead_after_s"] == conn.dead_after_s == 15.0
     assert "hunter2-secret" not in repr(reply)
     assert not any("sasl" in k or "password" in k for k in reply)
 
@@ -99,9 +105,13 @@ def test_hosts_count_agents_members_and_slots(roster):
     a, b, c = FakeConn(), FakeConn(), FakeConn()
     for conn, (agent, host) in zip((a, b, c), [("a1", "h1"), ("a2", "h1"), ("a3", "h2")]):
         roster.joined(conn, Hello(agent, host, 1), latest=None)
-    a.info["members"] = 2
+    assert roster.members.total == 6, "one host (local mode): each joined with both slots' consumers"
+    roster.members.reported("a2", 0)  # as a read's Acquired reports them
+    roster.members.reported("a3", 1)
     assert roster.hosts(["a1", "a3", "a3"]) == {"h1": {"agents": 2, "members": 2, "slots": 1},
-                                                "h2": {"agents": 1, "members": 0, "slots": 2}}
+                                                "h2": {"agents": 1, "members": 1, "slots": 2}}
+    roster.left(b, stopping=False)
+    assert roster.members.hosts() == {"h1": 2, "h2": 1} and roster.members.total == 3
 
 
 def test_stop_all_asks_every_agent_and_waits_bounded(roster):

@@ -27,6 +27,7 @@ from spark_share.driver.watermarks import (
     BACKLOG_REFRESH_S,
     BROKER_LOCK_CONFIG,
     GROUP_LOCK_CONFIG,
+    MAX_MEMBERS_CONFIG,
     RECORD_LOCKS_CONFIG,
     MetadataWatcher,
 )
@@ -90,6 +91,19 @@ class FakeAdmin:
     def __init__(self, cluster: Cluster, conf: dict):
         self.cluster, self.conf = cluster, conf
         self.asked = []
+        self.listed: list[tuple[int, float | None]] = []  # (partitions asked, request_timeout) per call
+
+    def list_offsets(self, specs, request_timeout=None):
+        self.listed.append((len(specs), request_timeout))
+        out = {}
+        for tp in specs:
+            f: Future = Future()
+            if (tp.topic, tp.partition) in self.cluster.watermark_errors:
+                f.set_exception(KafkaException("timed out"))
+            else:
+                f.set_result(SimpleNamespace(offset=self.cluster.high[(tp.topic, tp.partition)]))
+            out[tp] = f
+        return out
 
     def describe_configs(self, resources, request_timeout=None):
         out = {}
@@ -150,7 +164,8 @@ def test_start_finds_the_partitions_and_their_high_watermarks(cluster, watch):
     # A plain client, under a group of its own, with no share-consumer config.
     assert c.conf["group.id"] == "orders-group.spark-share-metadata" and c.conf["enable.auto.commit"] == "false"
     assert "max.poll.records" not in c.conf and c.conf["bootstrap.servers"] == "broker:9092"
-    assert all(cached is False for *_, cached in c.watermark_calls), "cached watermarks would never move"
+    (admin,) = cluster.admins
+    assert admin.listed == [(3, watermarks.REFRESH_TIMEOUT_S)], "one batched call for every partition"
 
 
 def test_a_missing_topic_is_an_error_naming_it(cluster):
@@ -209,16 +224,38 @@ def test_the_version_moves_only_when_a_high_watermark_moved(cluster, watch):
     assert w.version == 2 and w.high[("orders", 1)] == 25
 
 
-def test_a_partition_that_does_not_answer_ends_the_refresh(cluster, watch):
+def test_a_partition_that_does_not_answer_keeps_its_value_and_is_named(cluster, watch):
+    """One slow leader no longer ends the refresh for the partitions after it (they could drop out of a
+    drain's target): every other partition is refreshed; the one that did not answer keeps its value."""
     w = watch()
-    c = cluster.consumers[0]
-    cluster.watermark_errors.add(("audit", 0))  # the first partition, in sorted order
+    cluster.watermark_errors.add(("audit", 0))
     cluster.high[("orders", 0)] = 99
-    before = len(c.watermark_calls)
-    w.refresh()
-    assert len(c.watermark_calls) == before + 1, "the other partitions' requests would wait for the broker too"
-    assert w.high[("orders", 0)] == 10 and w.version == 1
-    assert c.watermark_calls[-1][2] == watermarks.REFRESH_TIMEOUT_S
+    assert w.refresh() == [("audit", 0)] and w.unanswered == [("audit", 0)]
+    assert w.high[("orders", 0)] == 99 and w.high[("audit", 0)] == 5 and w.version == 2
+
+
+def test_a_drains_target_waits_for_every_partition_or_fails_naming_them(cluster, monkeypatch):
+    """The watermarks a drain reads up to: a partition that never answered is retried, and one that
+    answers late joins the target; one that never does fails the drain with its name."""
+    cluster.watermark_errors.add(("orders", 1))
+    w = MetadataWatcher(options(), timeout_s=5.0, wanted=lambda: False)
+    try:
+        assert ("orders", 1) not in w.high and w.unanswered == [("orders", 1)]
+        calls = []
+
+        def refresh_then_answer():
+            calls.append(1)
+            if len(calls) == 2:
+                cluster.watermark_errors.clear()
+            return MetadataWatcher.refresh(w)
+        monkeypatch.setattr(w, "refresh", refresh_then_answer)
+        assert w.complete_high(timeout_s=30) == {("orders", 0): 10, ("orders", 1): 20, ("audit", 0): 5}
+        cluster.watermark_errors.add(("audit", 0))
+        w.high.pop(("audit", 0))
+        with pytest.raises(SourceError, match=r"high watermarks of 1 partitions \(audit-0\) could not be read"):
+            w.complete_high(timeout_s=0.2)
+    finally:
+        w.close()
 
 
 class ScriptedStop:
@@ -263,11 +300,11 @@ def test_while_wanted_every_tick_refreshes_and_tells_on_refresh(cluster, watch, 
     w = watch(wanted=wanted.is_set, on_refresh=lambda: told.append(w.version))
     stop_thread(w)
     wanted.set()
-    c = cluster.consumers[0]
-    before = len(c.watermark_calls)
+    (admin,) = cluster.admins
+    before = len(admin.listed)
     stop = run_loop(w, monkeypatch, ticks=4)
-    assert stop.waits == [0.25] * 5  # the interval: at least 250 ms (one ListOffsets request per partition)
-    assert len(told) == 4 and len(c.watermark_calls) == before + 4 * 3
+    assert stop.waits == [0.25] * 5  # the interval: at least 250 ms
+    assert len(told) == 4 and len(admin.listed) == before + 4
 
 
 def test_a_busy_stream_refreshes_only_every_backlog_refresh_s(cluster, watch, monkeypatch):
@@ -294,12 +331,11 @@ def test_an_on_refresh_that_fails_does_not_stop_the_watermarks(cluster, watch, m
     assert "the backlog estimate failed" in caplog.text
 
 
-def test_the_interval_grows_with_the_partitions(cluster, watch, monkeypatch):
-    cluster.topics["big"] = topic(40)
-    cluster.high.update({("big", p): 0 for p in range(40)})
-    w = watch("big")
-    stop = run_loop(w, monkeypatch, ticks=1)
-    assert stop.waits[0] == pytest.approx(0.8)
+def test_the_interval_keeps_refreshes_to_a_tenth_of_the_threads_time(cluster, watch, monkeypatch):
+    w = watch()
+    w._refresh_took = 0.5  # 10,000 partitions' refresh, on the embedded broker
+    stop = run_loop(w, monkeypatch, ticks=0)
+    assert stop.waits[0] == pytest.approx(5.0)
 
 
 def test_close_stops_the_thread_and_closes_the_client(cluster, watch):
@@ -313,24 +349,25 @@ def test_share_limits_from_the_broker_and_the_group(cluster, watch):
     cluster.configs[("BROKER", "1")] = {RECORD_LOCKS_CONFIG: "2000", BROKER_LOCK_CONFIG: "30000"}
     cluster.configs[("GROUP", "orders-group")] = {GROUP_LOCK_CONFIG: "15000"}
     w = watch()
-    assert w.share_limits(timeout_s=1) == (2000, 15000)
+    assert w.share_limits(timeout_s=1) == (2000, 15000, None)
     (admin,) = cluster.admins
     assert admin.asked == [("BROKER", "1"), ("GROUP", "orders-group")]  # the first broker, then the group
     assert "group.id" not in admin.conf and SECRET in admin.conf.values(), "the admin client needs the credentials"
 
 
 def test_a_group_without_its_own_lock_gets_the_brokers_default(cluster, watch):
-    cluster.configs[("BROKER", "1")] = {RECORD_LOCKS_CONFIG: "500", BROKER_LOCK_CONFIG: "30000"}
+    cluster.configs[("BROKER", "1")] = {RECORD_LOCKS_CONFIG: "500", BROKER_LOCK_CONFIG: "30000",
+                                        MAX_MEMBERS_CONFIG: "200"}
     cluster.configs[("GROUP", "orders-group")] = {GROUP_LOCK_CONFIG: ""}
-    assert watch().share_limits(timeout_s=1) == (500, 30000)
+    assert watch().share_limits(timeout_s=1) == (500, 30000, 200)
     cluster.configs.pop(("GROUP", "orders-group"))  # no permission to describe the group
-    assert watch().share_limits(timeout_s=1) == (500, 30000)
+    assert watch().share_limits(timeout_s=1) == (500, 30000, 200)
 
 
 def test_limits_the_cluster_does_not_say_are_none(cluster, watch):
     # The embedded broker does not implement DescribeConfigs (nor does a user without the permission).
-    assert watch().share_limits(timeout_s=1) == (None, None)
+    assert watch().share_limits(timeout_s=1) == (None, None, None)
     cluster.configs[("BROKER", "1")] = {RECORD_LOCKS_CONFIG: "many", BROKER_LOCK_CONFIG: "30000"}
-    assert watch().share_limits(timeout_s=1) == (None, 30000)
+    assert watch().share_limits(timeout_s=1) == (None, 30000, None)
     cluster.brokers = {}
-    assert watch().share_limits(timeout_s=1) == (None, None)
+    assert watch().share_limits(timeout_s=1) == (None, None, None)

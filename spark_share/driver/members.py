@@ -1,0 +1,138 @@
+"""The share-group members of one query run (its agents' share consumers), kept under a cap.
+
+Owns: how many members each agent has (what it last reported), the members granted to reads and not
+yet reported (``leases``), the cap (``numPartitions``, lowered to what the group admitted once the
+broker refused a member for ``group.share.max.size``), the decision whether a read that finds no free
+consumer on its host may open one (or which other agent must first close one it did not use in this
+batch), which agents hold members they have not used for a while (closed within a record lock), and
+the per-host view of status() and progress.
+
+Kafka caps a share group's members (``group.share.max.size``: 200 by default, at most 1,000; a second
+query on the group counts too). A host opens a consumer when a read of its finds none free, and Spark
+places a batch's tasks wherever it likes, so without a cap the members would be the sum over hosts of
+the most slots each ever read at once. With the cap they are at most ``numPartitions`` at any time:
+a batch has that many slots and a consumer serves one slot per batch, so some member is always free
+to move (closed on one host before another opens).
+
+Must never: do I/O or wait (the tracker asks the agents and calls this under the ledger's lock), or
+let granted and reported members together pass the cap.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+# A member no read used in this many batches in a row, for half a record lock, is closed: a host that
+# stops reading gives its consumers back to the group (their partitions go to members that are polled).
+IDLE_BATCHES = 2
+
+
+@dataclass
+class AgentMembers:
+    host: str
+    members: int = 0  # as the agent last reported
+    used: dict[int, set[str]] = field(default_factory=dict)  # batch -> its sessions that polled in it
+    last_read: tuple[int, float] = (-1, 0.0)  # (batch, time) of its last claim
+    trim_asked_at: float = 0.0
+
+
+class MemberBook:
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.wanted = cap  # what the query asked for (numPartitions), for the refusal's message
+        self.agents: dict[str, AgentMembers] = {}
+        self.leases: dict[tuple[int, int], str] = {}  # (batch, slot) -> agent granted a new member
+        self.refused = 0  # members the group refused (group.share.max.size)
+        self.refusal: str | None = None
+
+    @property
+    def total(self) -> int:
+        return sum(a.members for a in self.agents.values()) + len(self.leases)
+
+    def joined(self, agent: str, host: str, members: int) -> None:
+        self.agents[agent] = AgentMembers(host, members)
+
+    def left(self, agent: str) -> None:
+        self.agents.pop(agent, None)
+        for key in [k for k, a in self.leases.items() if a == agent]:
+            del self.leases[key]
+
+    def reported(self, agent: str, members: int, batch: int | None = None, slot: int | None = None,
+                 session: str | None = None) -> None:
+        """An agent's member count, after a read of (batch, slot) (its lease, if it had one, is now a member)."""
+        a = self.agents.get(agent)
+        if a is None:
+            return
+        a.members = members
+        if batch is not None:
+            self.leases.pop((batch, slot), None)  # type: ignore[arg-type]
+            if session:
+                a.used.setdefault(batch, set()).add(session)
+                for old in [b for b in a.used if b < batch - 4 * IDLE_BATCHES]:
+                    del a.used[old]
+
+    def settled(self, batch: int) -> None:
+        """``batch`` is acknowledged: a member leased to one of its reads that never reported (the read
+        failed) is no longer counted."""
+        for key in [k for k in self.leases if k[0] <= batch]:
+            del self.leases[key]
+
+    def claimed(self, agent: str, batch: int) -> None:
+        a = self.agents.get(agent)
+        if a is not None:
+            a.last_read = (max(batch, a.last_read[0]), time.monotonic())
+
+    def may_open(self, agent: str, batch: int, slot: int) -> bool:
+        """A read of (batch, slot) on ``agent`` found no free member: may it open one now? If so the
+        member is leased to it until the agent reports it."""
+        if self.total < self.cap:
+            self.leases[(batch, slot)] = agent
+            return True
+        return False
+
+    def movable(self, agent: str, batch: int) -> list[str]:
+        """Agents that may give up a member for a read of ``batch`` on ``agent``: those with more members
+        than they used in this batch, the least recently read first."""
+        out = [(a.last_read, name) for name, a in self.agents.items()
+               if name != agent and a.members > len(a.used.get(batch, ()))]
+        return [name for _, name in sorted(out)]
+
+    def idle(self, batch: int, idle_s: float) -> list[str]:
+        """Agents holding members that no read used in the last IDLE_BATCHES batches up to ``batch`` (each
+        asked at most every ``idle_s / 2``): they close those that have not polled for ``idle_s``."""
+        now = time.monotonic()
+        out = []
+        for name, a in self.agents.items():
+            recent = set().union(*(a.used.get(b, set()) for b in range(batch - IDLE_BATCHES + 1, batch + 1)))
+            if a.members > len(recent) and now - a.trim_asked_at >= idle_s / 2:
+                a.trim_asked_at = now
+                out.append(name)
+        return out
+
+    def refuse(self, agent: str, batch: int, slot: int, members: int) -> bool:
+        """The group refused the member a read of (batch, slot) on ``agent`` opened: the cap becomes what
+        the group admitted. False when it admitted none of this query's members at all."""
+        self.leases.pop((batch, slot), None)
+        a = self.agents.get(agent)
+        if a is not None:
+            a.members = members
+        self.refused += 1
+        if not self.total:
+            return False
+        self.cap = min(self.cap, self.total)
+        return True
+
+    def hosts(self) -> dict[str, int]:
+        """Members per host."""
+        out: dict[str, int] = {}
+        for a in self.agents.values():
+            out[a.host] = out.get(a.host, 0) + a.members
+        return out
+
+    def view(self, top: int = 20) -> dict:
+        """For progress (``top`` hosts with the most members) and status() (every host)."""
+        hosts = self.hosts()
+        shown = dict(sorted(hosts.items(), key=lambda kv: (-kv[1], kv[0]))[:top])
+        return {"members": self.total, "memberLimit": self.cap, "membersWanted": self.wanted,
+                "membersRefused": self.refused, "membersPerHost": shown,
+                "hostsWithMembers": sum(1 for n in hosts.values() if n)}
