@@ -44,6 +44,15 @@ class VerdictError(SparkShareError, RuntimeError):
     """reject()/release() could not be applied; nothing of the batch is acknowledged wrongly."""
 
 
+class VerdictClash(SparkShareError, ValueError):
+    """Verdicts that give one row two kinds (a row cannot be both rejected and released): ``count`` rows,
+    ``rows`` a few of them. The tracker turns it into a ``VerdictError`` for the user."""
+
+    def __init__(self, rows: list[tuple[str, int, int]], count: int):
+        super().__init__(f"{count} rows given two kinds")
+        self.rows, self.count = rows, count
+
+
 class DeadLetterError(SparkShareError, RuntimeError):
     """Rejected records could not be written to the dead-letter target; they are not REJECTed."""
 

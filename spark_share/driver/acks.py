@@ -21,7 +21,8 @@ from typing import Any
 
 from ..acknowledgement import ACCEPT, REJECT, RELEASE, AckOutcome
 from ..options import ShareSourceOptions, scrub
-from ..transport.protocol import Ack, AckResult, DeadLetter, call_async
+from ..transport.protocol import Ack, AckResult, DeadLetter, Stage, call_async
+from ..verdict_set import VerdictSet
 from .batches import QUEUED, BatchState
 from .policy import BatchPolicy
 
@@ -51,20 +52,21 @@ class Acknowledger:
         with self._lock:
             # Every agent that read a slot, records or not: an empty read is cached too (a re-read must
             # see it empty again), and this is what tells the agent it may forget it.
-            holders = {a["agent"] for a in b.acquired.values()}
-            conns = {a: self._agents.get(a) for a in holders}
-            verdicts = [[t, p, o, k] for (t, p, o), (k, _) in b.verdicts.items()]
-            rejects = [[t, p, o, r] for (t, p, o), (k, r) in b.verdicts.items() if k == REJECT]
+            conns = {a: self._agents.get(a) for a in {a["agent"] for a in b.acquired.values()}}
+            verdicts = b.verdicts
+            runs = b.runs_by_agent() if verdicts else {}
         timeout_s = self.opts.ack_timeout_ms / 1000.0
         failure = None
-        # A batch given back (not committed) carries no verdict: every record of it is RELEASEd, never REJECTed.
-        per_agent = {a: verdicts if default == ACCEPT else [] for a in conns}
-        if default == ACCEPT and rejects and self.opts.dead_letter:
-            why, written = self._write_dead_letters(b, conns, rejects)
+        # Each agent is sent only the verdicts on records it holds. A batch given back (not committed)
+        # carries none: every record of it is RELEASEd, never REJECTed.
+        empty = VerdictSet()
+        per_agent = {a: verdicts.within(runs[a]) if default == ACCEPT and verdicts else empty for a in conns}
+        rejects = verdicts.of_kind(REJECT) if default == ACCEPT and verdicts else empty
+        if rejects and self.opts.dead_letter:
+            why, written = self._write_dead_letters(b, conns, per_agent)
             # An agent REJECTs only what it wrote as a dead letter itself; a REJECT it did not write
             # becomes a RELEASE (never the default ACCEPT: the application did not take the record).
-            per_agent = {a: [v if v[3] != REJECT or (v[0], v[1], v[2]) in written.get(a, set())
-                             else [v[0], v[1], v[2], RELEASE] for v in verdicts] for a in conns}
+            per_agent = {a: v if a in written else v.as_kind(RELEASE, v.of_kind(REJECT)) for a, v in per_agent.items()}
             if why:
                 # Nothing of this batch is acknowledged: every record comes back. The query then fails:
                 # going on would cycle records towards the broker's delivery limit, which archives them.
@@ -77,38 +79,23 @@ class Acknowledger:
                            f"batch {b.spark_batch if b.spark_batch is not None else b.batch} was acknowledged; "
                            "its records were released and come back when the query is restarted after the "
                            "target is fixed")
-                default, per_agent = RELEASE, {a: [] for a in conns}
-        sent = {}
-        # To every holder at once; each answers once it has queued the acknowledgement on its consumers,
-        # ahead of any later poll of them (the broker's answers are collected off Spark's path). An agent
-        # that does not answer within ackTimeoutMs (hung, or cut off) costs that once: its connection is
-        # closed, so it releases what it holds when it notices, and the broker's lock covers the rest.
-        futs = {}
+                default, per_agent = RELEASE, {a: empty for a in conns}
+        # To every holder at once, without waiting for their answers: each agent queues an Ack on its
+        # consumers as it arrives (on its wire loop), and the claims of the next batch are answered on
+        # the same connections behind it, so they find those consumers acknowledged first. The answers
+        # are collected with the broker's, off Spark's path.
+        acks = {}
         for agent_id, conn in conns.items():
             if conn is None:
                 self._count_failed(b, agent_id, AGENT_LOST)
                 continue
-            futs[agent_id] = call_async(conn, Ack(b.batch, default, per_agent[agent_id], timeout_s))
-        wait_futures(list(futs.values()), timeout=timeout_s)
-        for agent_id, f in futs.items():
-            if not f.done():
-                log.warning("spark-share batch %d: agent %s did not queue its acknowledgements within ackTimeoutMs "
-                            "(%.0f ms); it is dropped, and the %d records it holds come back when their lock "
-                            "expires", b.batch, agent_id, self.opts.ack_timeout_ms, b.rows_held_by(agent_id))
-                self._count_failed(b, agent_id, ACK_TIMEOUT)
-                f.cancel()
-                conns[agent_id].close()  # type: ignore[union-attr]  # only live ones were asked
-                continue
-            try:
-                f.result(timeout=0)
-                sent[agent_id] = conns[agent_id]
-            except ConnectionError:  # the agent went away: the broker releases what it held
-                self._count_failed(b, agent_id, AGENT_LOST)
-            except Exception as e:
-                self._count_failed(b, agent_id, type(e).__name__)
+            chunks = per_agent[agent_id].chunks()
+            for chunk in chunks:  # ahead of the Ack on the same connection (the agent stages them as they come)
+                call_async(conn, Stage(b.batch, "ack"), chunk)
+            acks[agent_id] = call_async(conn, Ack(b.batch, default, len(chunks), timeout_s))
         with self._lock:
             # Submitted before the state leaves "acking": shutdown waits for that, then stops the finisher.
-            self._finisher.submit(self._collect, b, default, sent, timeout_s)
+            self._finisher.submit(self._collect, b, default, conns, acks, timeout_s)
             b.state = QUEUED
             queued()
         return failure
@@ -124,8 +111,29 @@ class Acknowledger:
         b.outcome.failed += n
         b.outcome.errors[why] = b.outcome.errors.get(why, 0) + n
 
-    def _collect(self, b: BatchState, default: int, sent: dict, timeout_s: float) -> None:
-        """What the broker answered to the acknowledgements of ``b``, added to its outcome."""
+    def _collect(self, b: BatchState, default: int, conns: dict, acks: dict, timeout_s: float) -> None:
+        """What the agents and then the broker answered to the acknowledgements of ``b``, added to its
+        outcome. An agent that did not take its Ack within ackTimeoutMs (hung, or cut off from the driver)
+        costs that once: its connection is closed, so it releases what it holds when it notices, and the
+        broker's lock brings the rest back."""
+        wait_futures(list(acks.values()), timeout=timeout_s)
+        sent = {}
+        for agent_id, f in acks.items():
+            if not f.done():
+                log.warning("spark-share batch %d: agent %s did not queue its acknowledgements within ackTimeoutMs "
+                            "(%.0f ms); it is dropped, and the %d records it holds come back when their lock "
+                            "expires", b.batch, agent_id, self.opts.ack_timeout_ms, b.rows_held_by(agent_id))
+                self._count_failed(b, agent_id, ACK_TIMEOUT)
+                f.cancel()
+                conns[agent_id].close()
+                continue
+            try:
+                f.result(timeout=0)
+                sent[agent_id] = conns[agent_id]
+            except ConnectionError:  # the agent went away: the broker releases what it held
+                self._count_failed(b, agent_id, AGENT_LOST)
+            except Exception as e:
+                self._count_failed(b, agent_id, type(e).__name__)
         futs = {a: call_async(c, AckResult(b.batch)) for a, c in sent.items()}
         wait_futures(list(futs.values()), timeout=timeout_s + 10)
         for agent_id, f in futs.items():
@@ -145,20 +153,23 @@ class Acknowledger:
             log.exception("spark-share batch %d: the work after its acknowledgement failed", b.batch)
 
     def _write_dead_letters(self, b: BatchState, conns: dict,
-                            rejects: list[list]) -> tuple[str | None, dict[str, set[tuple[str, int, int]]]]:
+                            per_agent: dict[str, VerdictSet]) -> tuple[str | None, set[str]]:
         """Each live agent writes the rejected records it holds to the dead-letter target: every agent
         that holds one, when two do (the broker gave a lost agent's records to another in the same
         batch; only the live one's REJECT counts). An agent that is gone wrote nothing and
         acknowledges nothing: its records come back from the broker (counted failed), to be rejected
-        again then. Returns (why a write failed or None, agent -> the records it wrote)."""
-        held: dict[str, list] = {}
-        with self._lock:
-            for r in rejects:
-                for agent_id in b.holders(r[0], int(r[1]), int(r[2])):
-                    held.setdefault(agent_id, []).append(r)
-        futs = {a: call_async(conns[a], DeadLetter(b.batch, mine)) for a, mine in held.items()
-                if conns.get(a) is not None}
-        written: dict[str, set[tuple[str, int, int]]] = {}
+        again then. Returns (why a write failed or None, the agents that wrote theirs)."""
+        held = {a: v.of_kind(REJECT) for a, v in per_agent.items()}
+        futs = {}
+        for agent_id, rejects in held.items():
+            conn = conns.get(agent_id)
+            if conn is None or not rejects:
+                continue
+            chunks = rejects.chunks()
+            for chunk in chunks:
+                call_async(conn, Stage(b.batch, "deadletter"), chunk)
+            futs[agent_id] = call_async(conn, DeadLetter(b.batch, len(chunks)))
+        written: set[str] = {a for a, rejects in held.items() if not rejects}
         for agent_id, f in futs.items():
             try:
                 rep, _ = f.result(timeout=120)
@@ -169,7 +180,7 @@ class Acknowledger:
             if int(rep["written"]) < len(held[agent_id]):  # more: it holds a record in two slots
                 return (f"only {rep['written']} of the {len(held[agent_id])} rejected records held by {agent_id} were "
                         "found to write as dead letters"), written
-            written[agent_id] = {(t, int(p), int(o)) for t, p, o, _ in held[agent_id]}
+            written.add(agent_id)
         return None, written
 
 

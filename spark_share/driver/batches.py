@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..acknowledgement import AckOutcome
+from ..verdict_set import VerdictSet, runs_of
 
 # planned: its read tasks may claim slots; acking: its acknowledgements are being sent; queued: they
 # are on the consumers, ahead of their next poll; acked / released: the broker answered. void: a
@@ -32,7 +33,7 @@ class BatchState:
     granted_total: int = 0                                    # the sum of ``granted`` (a claim must not sum it)
     prefetched: bool = False                                  # its polls started at planning (static budgets)
     acquired: dict[int, dict] = field(default_factory=dict)      # slot -> {agent, session, rows, offsets, acquired_at}
-    verdicts: dict[tuple[str, int, int], tuple[int, str | None]] = field(default_factory=dict)
+    verdicts: VerdictSet = field(default_factory=VerdictSet)    # reject() / release() and poison records
     spark_batch: int | None = None                            # Spark's batch id, learnt from the read tasks
     connect_sessions: set[str] = field(default_factory=set)   # Spark Connect sessions whose jobs read it
     state: str = PLANNED
@@ -59,15 +60,14 @@ class BatchState:
                     out[k] = min(runs[0][0], out.get(k, runs[0][0]))
         return out
 
-    def holders(self, topic: str, partition: int, offset: int) -> list[str]:
-        """The agents that acquired this record in this batch. Usually one; two when an agent was lost
-        mid-batch and the broker handed its records to another agent for another slot."""
-        out = []
+    def runs_by_agent(self) -> dict[str, dict]:
+        """Each agent's acquisitions in this batch as offset runs per partition (``verdict_set.runs_of``):
+        which verdicts it holds. A record is usually held by one agent; by two when an agent was lost
+        mid-batch and the broker handed its records to another for another slot."""
+        mine: dict[str, list] = {}
         for a in self.acquired.values():
-            for lo, hi in a.get("offsets", {}).get(topic, {}).get(str(partition), ()):
-                if lo <= offset <= hi and a["agent"] not in out:
-                    out.append(a["agent"])
-        return out
+            mine.setdefault(a["agent"], []).append(a)
+        return {agent: runs_of(slots) for agent, slots in mine.items()}
 
     def rows_held_by(self, agent_id: str) -> int:
         return sum(a["rows"] for a in self.acquired.values() if a["agent"] == agent_id)

@@ -16,8 +16,9 @@ import time
 from collections.abc import Container
 
 from ..acknowledgement import ACCEPT, REJECT, RELEASE, AckOutcome
-from ..errors import BatchRefused, VerdictError
+from ..errors import BatchRefused, VerdictClash, VerdictError
 from ..transport.protocol import Acquired, Claim, Verdicts
+from ..verdict_set import VerdictSet
 from .batches import ACKED, ACKING, FINISHED, IN_FLIGHT, PLANNED, QUEUED, RELEASED, VOID, BatchState
 from .policy import BatchPolicy
 
@@ -39,6 +40,7 @@ class BatchLedger:
         self.stopping = False  # set once by the stop: nothing new is planned, claimed or acknowledged
         self.totals = AckOutcome()
         self.total_acquired = 0
+        self._staged: dict[str, tuple[int, list[bytes]]] = {}  # verdict token -> (batch, its chunks so far)
 
     def latest(self) -> BatchState | None:
         with self.lock:
@@ -128,43 +130,73 @@ class BatchLedger:
             self.policy.acquired(m.offsets, m.redelivered, (agent_id, m.session), m.carried)
             self.policy.answered_empty(m.answered)
             limit = self.max_delivery_count
-            for t, p, o, count in m.poison:
-                b.verdicts[(t, int(p), int(o))] = (REJECT, f"deliveryCount {count} reached maxDeliveryCount {limit}")
+            if m.poison:
+                b.verdicts.update(VerdictSet.from_records(
+                    [(t, p, o, REJECT, f"deliveryCount {count} reached maxDeliveryCount {limit}")
+                     for t, p, o, count in m.poison]))
             if m.poison:
                 log.warning("batch %d: %d records reached maxDeliveryCount %s; they are rejected to the dead-letter "
                             "target instead of being processed again", m.batch, len(m.poison), limit)
             self.total_acquired += m.rows
 
-    def record_verdicts(self, m: Verdicts) -> dict:
-        """Record reject/release verdicts for a running batch; all or nothing."""
+    def record_verdicts(self, m: Verdicts, blob) -> dict:
+        """Record reject/release verdicts for a running batch: the chunks of one call are staged until its
+        last, then applied all or nothing (every row must be one the batch acquired, none may already have
+        the other kind). O(rows): numpy arrays, searched per partition, never a Python object per row."""
         kind = {"reject": REJECT, "release": RELEASE}[m.kind]
         with self.lock:
-            if m.connect_session:  # Spark Connect: the latest batch read in that session, if it is ours
-                b = max((b for b in self.batches.values()
-                         if m.connect_session in b.connect_sessions and b.state == PLANNED),
-                        key=lambda b: b.batch, default=None)
+            if m.part == 0:
+                b = self._verdict_batch(m)
                 if b is None:
                     return {"match": False}
-            else:
-                b = next((b for b in self.batches.values() if b.spark_batch == m.spark_batch), None)
-                if b is None or b.state != PLANNED:
-                    raise VerdictError(f"batch {m.spark_batch} has no kafka-share records being processed in this "
-                                         f"query (state: {b.state if b else 'nothing read'}); verdicts apply to rows "
-                                         "of the batch being processed in foreachBatch")
+                self._staged[m.token] = (b.batch, [])
+            staged = self._staged.get(m.token)
+            if staged is None:
+                raise VerdictError(f"verdicts {m.token}: part {m.part} of {m.parts} came without the first")
+            staged[1].append(bytes(blob))
+            if m.part < m.parts - 1:
+                return {"ok": True, "match": True, "staged": len(staged[1])}
+            del self._staged[m.token]
+            b = self.batches.get(staged[0])
+            if b is None or b.state != PLANNED:
+                raise VerdictError(f"batch {m.spark_batch} is no longer being processed; its verdicts were not recorded")
             batch = b.spark_batch if b.spark_batch is not None else b.batch
-            keys = [(t, int(p), int(o)) for t, p, o in m.records]
-            foreign = [k for k in keys if not b.holders(*k)]
-            if foreign:
-                raise VerdictError(f"{len(foreign)} of {len(keys)} rows are not from batch {batch} of this query, "
-                                     "e.g. " + ", ".join(f"{t}-{p}@{o}" for t, p, o in foreign[:5]))
-            both = [k for k in keys if k in b.verdicts and b.verdicts[k][0] != kind]
-            if both:
-                raise VerdictError(f"{len(both)} rows were already given the opposite verdict (a row cannot be both "
-                                     "rejected and released), e.g. "
-                                     + ", ".join(f"{t}-{p}@{o}" for t, p, o in both[:5]))
-            for k in keys:
-                b.verdicts[k] = (kind, m.reason)
-        return {"ok": True, "match": True, "records": len(keys)}
+            runs = list(b.runs_by_agent().values())
+        # Decoding and checking millions of rows happens without the lock (the batch's acquisitions are
+        # all in: foreachBatch runs after its read tasks); only the update takes it again.
+        try:
+            given = VerdictSet.from_chunks(staged[1])
+        except VerdictClash as e:
+            raise VerdictError(f"{e.count} rows are named with both verdicts in one call, e.g. "
+                               + ", ".join(f"{t}-{p}@{o}" for t, p, o in e.rows)) from None
+        if any((part.kinds != kind).any() for part in given.parts.values()):
+            raise VerdictError(f"verdicts of a {m.kind}() call arrived with other kinds")
+        foreign, examples = given.outside(runs)
+        if foreign:
+            raise VerdictError(f"{foreign} of {len(given)} rows are not from batch {batch} of this query, "
+                               "e.g. " + ", ".join(f"{t}-{p}@{o}" for t, p, o in examples))
+        with self.lock:
+            try:
+                b.verdicts.update(given)
+            except VerdictClash as e:
+                raise VerdictError(f"{e.count} rows were already given the opposite verdict (a row cannot be both "
+                                   "rejected and released), e.g. "
+                                   + ", ".join(f"{t}-{p}@{o}" for t, p, o in e.rows)) from None
+        return {"ok": True, "match": True, "records": len(given)}
+
+    def _verdict_batch(self, m: Verdicts) -> BatchState | None:
+        """The batch verdicts name: Spark's batch id (classic), or under Spark Connect the latest batch read
+        in that session (None: not ours). Call with ``lock`` held."""
+        if m.connect_session:
+            return max((b for b in self.batches.values()
+                        if m.connect_session in b.connect_sessions and b.state == PLANNED),
+                       key=lambda b: b.batch, default=None)
+        b = next((b for b in self.batches.values() if b.spark_batch == m.spark_batch), None)
+        if b is None or b.state != PLANNED:
+            raise VerdictError(f"batch {m.spark_batch} has no kafka-share records being processed in this "
+                               f"query (state: {b.state if b else 'nothing read'}); verdicts apply to rows "
+                               "of the batch being processed in foreachBatch")
+        return b
 
     def source_batch_of(self, spark_batch: int) -> int | None:
         """Our batch that Spark ran as ``spark_batch`` or, if that one read nothing of ours, the

@@ -42,6 +42,7 @@ from ..transport.protocol import (
     Drain,
     Fetch,
     Hello,
+    Member,
     Status,
     Trim,
     Verdicts,
@@ -87,6 +88,13 @@ def _bind_host() -> str:
         return (os.environ.get("SPARK_SHARE_DRIVER_HOST") or os.environ.get("SPARK_LOCAL_IP")
                 or socket.gethostbyname(socket.gethostname()))
     return "127.0.0.1"
+
+
+def _on_the_loop(header: dict) -> bool:
+    """The requests every read sends (two per slot and batch: thousands at scale) are handled on the
+    wire's loop, not handed to a thread: each takes the ledger's lock briefly and waits on no peer. A
+    read that needs another agent to give up a member waits for it (``Member``): that goes to a thread."""
+    return header.get("op") in ("claim", "acquired")
 
 
 def _port_text(ports: tuple[int, int]) -> str:
@@ -208,7 +216,7 @@ class Tracker:
             try:
                 return wire.RpcServer((host, port), self.secret, dispatcher(self, TO_TRACKER), name="tracker",
                                       on_close=lambda conn: self.roster.left(conn, self.ledger.stopping),
-                                      scrub=lambda s: scrub(s, self._secrets))
+                                      scrub=lambda s: scrub(s, self._secrets), inline=_on_the_loop)
             except OSError as e:  # taken: try the next one
                 error = e
         raise SourceError(f"option 'trackerPort' = {_port_text(self.opts.tracker_ports)!r}: no port of it is free on "
@@ -225,14 +233,13 @@ class Tracker:
         owner = self.ledger.claim(m, agent_id, self.agents)
         if owner is None:
             return {"owner": None}
-        reply = {"owner": owner, "carry_ms": self.policy.carry_ms,
-                 "max_records": self.ledger.granted(m.batch, m.slot)}
         if owner == agent_id:
             with self.ledger.lock:
                 self.members.claimed(agent_id, m.batch)
-            if m.needs_member:
-                reply["open"] = self._grant_member(agent_id, m.batch, m.slot)
-        return reply
+        return {"owner": owner, "carry_ms": self.policy.carry_ms, "max_records": self.ledger.granted(m.batch, m.slot)}
+
+    def _on_member(self, conn: wire.RpcConnection, m: Member) -> dict:
+        return {"open": self._grant_member(agent_of(conn), m.batch, m.slot)}
 
     def _grant_member(self, agent_id: str, batch: int, slot: int) -> bool:
         """May ``agent_id`` open a consumer for its read of (batch, slot)? Within the cap, yes; at the cap,
@@ -306,8 +313,8 @@ class Tracker:
             self.batch_committed(upto, wait=True)
         return {"ok": True}
 
-    def _on_verdicts(self, conn: wire.RpcConnection, m: Verdicts) -> dict:
-        return self.ledger.record_verdicts(m)
+    def _on_verdicts(self, conn: wire.RpcConnection, m: Verdicts, blob) -> dict:
+        return self.ledger.record_verdicts(m, blob)
 
     def _on_status(self, conn: wire.RpcConnection, m: Status) -> dict:
         return self.status()

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import runtime
 from ..acknowledgement import ACCEPT
-from ..errors import BatchRefused, MemberRefused, PeerConnectionError
+from ..errors import AgentError, BatchRefused, MemberRefused, PeerConnectionError
 from ..options import sized
 from ..transport import wire
 from ..transport.protocol import (
@@ -46,14 +46,17 @@ from ..transport.protocol import (
     DeadLetter,
     Fetch,
     Hello,
+    Member,
     Ping,
     Prefetch,
     Read,
     Shutdown,
+    Stage,
     Trim,
     call,
     dispatcher,
 )
+from ..verdict_set import VerdictSet
 from . import records
 from .pool import SessionPool, poll_budget
 
@@ -92,12 +95,16 @@ class Agent:
         self.pool = SessionPool(self._new_session, name=f"agent {self.agent_id}")
         self._cache: dict[tuple[int, int], Cached] = {}
         self._acks: dict[int, tuple] = {}  # batch -> ({slot: (records held, future)}, timeout) until reported
+        self._staged: dict[tuple[int, str], list] = {}  # (batch, purpose) -> verdict chunks before their request
         self._inflight: dict[tuple[int, int], threading.Event] = {}
         self._session_seq = 0
         self.done = threading.Event()
+        # An Ack is queued on the consumers on the wire's loop, as it arrives: the tracker does not wait
+        # for it (at scale that wait was most of latestOffset), and a claim's answer, which comes behind
+        # it on this connection, finds the sessions it frees free.
         self.tracker = _connect_tracker(tracker_addr, secret, handler=dispatcher(self, TRACKER_TO_AGENT),
-                                    on_close=lambda _c: self._tracker_lost(), name="agent-tracker",
-                                    scrub=self._scrub)
+                                        on_close=lambda _c: self._tracker_lost(), name="agent-tracker",
+                                        scrub=self._scrub, inline=lambda header: header.get("op") in ("stage", "ack"))
         hello, _ = call(self.tracker, Hello(self.agent_id, socket.gethostname(), os.getpid()), timeout=30)
         self.config = hello
         self.tracker.set_keepalive(float(hello["dead_after_s"]))  # a tracker gone silent is a tracker gone
@@ -157,11 +164,13 @@ class Agent:
                 if key in self._cache:
                     continue
             # the other poll failed; try ourselves
-        session, polled = self.pool.reserve(batch, max_records)
+        session = None
         try:
+            # The claim's answer comes on the tracker's connection behind the acknowledgements of the batch
+            # before (the tracker sent them first, and they are queued on the loop as they arrive): the
+            # sessions it frees are free by the time this read looks for one.
             claim, _ = call(self.tracker, Claim(batch, slot, query_id, spark_batch, connect_session,
-                                                carrying=session.carrying if session else 0,
-                                                needs_member=session is None), timeout=60)
+                                                carrying=self.pool.carrying_for(batch)), timeout=60)
             if claim["owner"] is None:  # acquired by an agent that is gone: no new records under this id
                 return {"rows": 0, "cached": False, "lost": True}, records.to_ipc(
                     records.empty_batch(self.config["include_headers"]))
@@ -170,11 +179,15 @@ class Agent:
                 rep, ipc = call(self.tracker, Fetch(batch, slot), timeout=120)
                 return {"rows": rep.get("rows", 0), "cached": True, "relayed": True}, ipc
             granted = claim.get("max_records", max_records)
-            if granted == 0 or (session is None and not claim.get("open")):
-                # The batch's cap went to reads whose sessions carry records, or the query has all the
-                # members it may have and none could move here: acquire nothing.
+            if granted == 0:  # the batch's cap went to reads whose sessions carry records: acquire nothing
                 return self._read_nothing(batch, slot, spark_batch, query_id, key)
+            session, polled = self.pool.reserve(batch, max_records)
             if session is None:
+                # No consumer is free here: the query's members are capped, so the tracker says whether a
+                # new one may join (another host may first close one it did not use in this batch).
+                member, _ = call(self.tracker, Member(batch, slot), timeout=60)
+                if not member["open"]:  # the query has all the members it may have, all in use elsewhere
+                    return self._read_nothing(batch, slot, spark_batch, query_id, key)
                 session = self.pool.open(batch, max_records)
             taken, session = session, None  # from here on, the read owns it
             try:
@@ -267,14 +280,27 @@ class Agent:
     def _on_prefetch(self, conn, m: Prefetch) -> dict:
         return {"polling": self.pool.prefetch(m.batch, m.count, m.max_records, m.poll_timeout_ms, m.carry_ms)}
 
+    def _on_stage(self, conn, m: Stage, blob) -> dict:
+        with self._lock:
+            self._staged.setdefault((m.batch, m.purpose), []).append(blob)
+        return {"staged": True}
+
+    def _staged_set(self, batch: int, purpose: str, chunks: int) -> VerdictSet:
+        """The verdict chunks staged for (batch, purpose), which came before the request that uses them."""
+        with self._lock:
+            blobs = self._staged.pop((batch, purpose), [])
+        if len(blobs) != chunks:
+            raise AgentError(f"batch {batch}: {len(blobs)} of the {chunks} verdict chunks for its {purpose} came")
+        return VerdictSet.from_chunks(blobs)
+
     def _on_ack(self, conn, m: Ack) -> dict:
-        return self._ack(m.batch, m.verdicts, m.default, m.timeout_s)
+        return self._ack(m.batch, self._staged_set(m.batch, "ack", m.staged), m.default, m.timeout_s)
 
     def _on_ack_result(self, conn, m: AckResult) -> dict:
         return self._ack_result(m.batch)
 
     def _on_dead_letter(self, conn, m: DeadLetter) -> dict:
-        return self._dead_letter(m.batch, m.records)
+        return self._dead_letter(m.batch, self._staged_set(m.batch, "deadletter", m.staged))
 
     def _on_fetch(self, conn, m: Fetch):
         with self._lock:
@@ -291,11 +317,10 @@ class Agent:
         threading.Thread(target=self.shutdown, name="agent-shutdown", daemon=True).start()
         return {"ok": True}
 
-    def _dead_letter(self, batch: int, wanted: list) -> dict:
+    def _dead_letter(self, batch: int, want: VerdictSet) -> dict:
         """Write the rejected records of ``batch`` held here to the dead-letter target."""
         from .deadletter import rejected_table
 
-        want = {(t, int(p), int(o)): reason for t, p, o, reason in wanted}
         with self._lock:
             entries = [e for (b, _), e in self._cache.items() if b == batch and e.full is not None]
         assert self._deadletters is not None, "dead letters asked of an agent started without a target"
@@ -305,11 +330,10 @@ class Agent:
             written += self._deadletters.write(table, batch, f"{self.tracker_id}-slot{e.slot}")
         return {"written": written}
 
-    def _ack(self, batch: int, verdicts: list, default: int, timeout_s: float) -> dict:
+    def _ack(self, batch: int, verdicts: VerdictSet, default: int, timeout_s: float) -> dict:
         """Queue the acknowledgement of every slot of ``batch`` held here (``default`` unless a
         verdict says otherwise) on the consumers that acquired them, ahead of their next poll, and
         return: ``ack_result`` reports what the broker answered."""
-        vmap = {(t, int(p), int(o)): int(k) for t, p, o, k, *_ in verdicts}
         with self._lock:
             entries = [e for (b, _), e in self._cache.items() if b == batch]
             futs = {}
@@ -318,7 +342,7 @@ class Agent:
                 if e.session is None:
                     continue
                 if default == ACCEPT:
-                    futs[e.slot] = (e.held, e.session.acknowledge(vmap, timeout_s))
+                    futs[e.slot] = (e.held, e.session.acknowledge(verdicts, timeout_s))
                 else:
                     futs[e.slot] = (e.held, e.session.release_all(timeout_s))
                 self.pool.release(e.session)  # free for the next batch: its poll queues behind this
@@ -358,11 +382,11 @@ class Agent:
         self.done.set()
 
 
-def _connect_tracker(tracker_addr, secret: str, **kwargs) -> wire.RpcConnection:
+def _connect_tracker(tracker_addr, secret: str, inline=None, **kwargs) -> wire.RpcConnection:
     """The connection to the query's tracker on the driver, or an error a user can act on."""
     host, port = tracker_addr
     try:
-        return wire.connect((host, port), secret, **kwargs)
+        return wire.connect((host, port), secret, inline=inline, **kwargs)
     except (OSError, ConnectionError) as e:
         shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         raise PeerConnectionError(

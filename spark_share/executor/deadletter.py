@@ -12,30 +12,36 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pyarrow as pa
 
 from ..deadletter_target import filesystem
 from ..errors import DeadLetterError
+from ..verdict_set import VerdictSet
 
 HEADER_PREFIX = "spark-share."
 
 
 
-def rejected_table(batch: pa.RecordBatch, wanted: dict[tuple[str, int, int], str | None],
-                   query_id: str | None, batch_id: int) -> pa.Table:
-    """The rows of ``batch`` named in ``wanted`` ((topic, partition, offset) -> reason), with the
+def rejected_table(batch: pa.RecordBatch, wanted: VerdictSet, query_id: str | None, batch_id: int) -> pa.Table:
+    """The rows of ``batch`` that ``wanted`` names (its rejects, with their reasons), with the
     dead-letter fields added."""
-    topics = batch.column("topic").to_pylist()
-    parts = batch.column("partition").to_pylist()
-    offsets = batch.column("offset").to_pylist()
-    idx, reasons = [], []
-    for i, key in enumerate(zip(topics, parts, offsets)):
-        if key in wanted:
-            idx.append(i)
-            reasons.append(wanted[key])
-    rows = pa.Table.from_batches([batch]).take(pa.array(idx, pa.int64()))
-    n = rows.num_rows
-    return (rows.append_column("reason", pa.array(reasons, pa.string()))
+    topics = np.array(batch.column("topic").to_pylist(), dtype=object)
+    parts = batch.column("partition").to_numpy()
+    offsets = batch.column("offset").to_numpy()
+    idx: list[np.ndarray] = []
+    reasons: list[str | None] = []
+    for topic, part in sorted(set(zip(topics.tolist(), parts.tolist()))):
+        rows = np.flatnonzero((topics == topic) & (parts == part))
+        hit, why = wanted.reasons_for(topic, part, offsets[rows])
+        idx.append(rows[hit])
+        reasons += why
+    order = np.concatenate(idx) if idx else np.zeros(0, np.int64)
+    keep = np.argsort(order, kind="stable")  # the batch's own row order
+    order, reasons = order[keep], [reasons[i] for i in keep]
+    rows_table = pa.Table.from_batches([batch]).take(pa.array(order, pa.int64()))
+    n = rows_table.num_rows
+    return (rows_table.append_column("reason", pa.array(reasons, pa.string()))
             .append_column("queryId", pa.array([query_id] * n, pa.string()))
             .append_column("rejectedAt", pa.array([int(time.time() * 1e6)] * n, pa.timestamp("us", tz="UTC"))))
 

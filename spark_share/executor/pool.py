@@ -151,6 +151,14 @@ class SessionPool:
                      ", ".join(s.session_id for s in idle), len(self.sessions))
         return len(idle)
 
+    def carrying_for(self, batch: int) -> int:
+        """The records carried by the session a read of ``batch`` would take now (``reserve`` prefers one
+        that carries records and has not polled in this batch): the tracker may grant that read more."""
+        with self._lock:
+            carriers = [s for s in self._free() if s.carrying and self._last_taken.get(s.session_id, (-1,))[0] != batch]
+            best = max(carriers, key=lambda s: s.carrying, default=None)
+            return best.carrying if best is not None else 0
+
     def _size_for(self, max_records: int | None) -> int | None:
         """max.poll.records of a session for reads with this budget (None: any size will do)."""
         if max_records is None:

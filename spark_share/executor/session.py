@@ -27,6 +27,7 @@ from typing import Any
 from ..acknowledgement import ACCEPT, RELEASE, AckOutcome
 from ..broker_errors import FailureWatch
 from ..errors import AgentError, MemberRefused, SourceError
+from ..verdict_set import VerdictSet
 from . import records
 from .session_acks import Holding, acknowledge_held, error_code
 from .session_stats import STATS_INTERVAL_MS, FetchStats
@@ -155,12 +156,12 @@ class ShareSession:
         earlier poll come first, while younger than ``carry_ms`` (older ones are released)."""
         return self._submit(lambda: self._poll(batch, slot, max_records, timeout_ms, carry_ms))
 
-    def acknowledge(self, verdicts: dict[tuple[str, int, int], int], timeout_s: float) -> Future:
+    def acknowledge(self, verdicts: VerdictSet | None, timeout_s: float) -> Future:
         """Acknowledge everything held: ACCEPT unless ``verdicts`` says otherwise. Result: AckOutcome."""
         return self._submit_ack(lambda: self._acknowledge(verdicts, ACCEPT, timeout_s))
 
     def release_all(self, timeout_s: float) -> Future:
-        return self._submit_ack(lambda: self._acknowledge({}, RELEASE, timeout_s))
+        return self._submit_ack(lambda: self._acknowledge(None, RELEASE, timeout_s))
 
     def _submit_ack(self, fn: Callable) -> Future:
         with self._acks_lock:

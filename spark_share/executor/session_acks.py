@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from itertools import repeat
 
 from ..acknowledgement import ACCEPT, REJECT, RELEASE, AckOutcome
+from ..verdict_set import VerdictSet
 from . import records
 
 log = logging.getLogger("spark_share.executor.session")
@@ -51,7 +52,7 @@ def error_code(exc) -> tuple[int, str]:
     return -1, type(exc).__name__
 
 
-def acknowledge_held(consumer, h: Holding | None, verdicts: dict[tuple[str, int, int], int], default: int,
+def acknowledge_held(consumer, h: Holding | None, verdicts: VerdictSet | None, default: int,
                      timeout_s: float, scrub: Callable[[str], str], session_id: str) -> AckOutcome:
     """Acknowledge every record ``h`` acquired, ``default`` unless ``verdicts`` says otherwise, then commit;
     what the broker answered, counted by kind. A record the client refuses is counted, not raised."""
@@ -60,30 +61,43 @@ def acknowledge_held(consumer, h: Holding | None, verdicts: dict[tuple[str, int,
         return out
     per_tp: dict[tuple[str, int], dict[int, int]] = {}
     ack = consumer.acknowledge_offset
+
+    def ack_run(topic: str, part: int, lo: int, hi: int, kind: int, counts: dict[int, int]) -> None:
+        """Records lo..hi, all ``kind``: one C-level pass; after a refused record, one by one."""
+        if lo > hi:
+            return
+        offsets = iter(range(lo, hi + 1))
+        try:
+            deque(map(ack, repeat(topic), repeat(part), offsets, repeat(kind)), maxlen=0)
+            counts[kind] = counts.get(kind, 0) + hi - lo + 1
+            return
+        except Exception as e:
+            failed_at = hi - operator.length_hint(offsets)
+            counts[kind] = counts.get(kind, 0) + failed_at - lo
+            _ack_failed(out, e)
+        for off in offsets:
+            try:
+                ack(topic, part, off, kind)
+            except Exception as e:  # no longer in flight for us: counted, comes back from the broker
+                _ack_failed(out, e)
+                continue
+            counts[kind] = counts.get(kind, 0) + 1
+
     for topic, parts in h.acquired.items():
         for part, runs in parts.items():
             counts = per_tp.setdefault((topic, part), {})
             for lo, hi in runs:
-                offsets = iter(range(lo, hi + 1))
-                if not verdicts:
-                    # Every record gets the default: one C-level pass over the run. A call that
-                    # raises stops it; the loop below goes on after that offset.
-                    try:
-                        deque(map(ack, repeat(topic), repeat(part), offsets, repeat(default)), maxlen=0)
-                        counts[default] = counts.get(default, 0) + hi - lo + 1
-                        continue
-                    except Exception as e:
-                        failed_at = hi - operator.length_hint(offsets)
-                        counts[default] = counts.get(default, 0) + failed_at - lo
-                        _ack_failed(out, e)
-                for off in offsets:
-                    kind = verdicts.get((topic, part, off), default) if verdicts else default
-                    try:
-                        ack(topic, part, off, kind)
-                    except Exception as e:  # no longer in flight for us: counted, comes back from the broker
-                        _ack_failed(out, e)
-                        continue
-                    counts[kind] = counts.get(kind, 0) + 1
+                marked: list[int] = []
+                kinds: list[int] = []
+                if verdicts:
+                    found = verdicts.kinds_in(topic, part, lo, hi)
+                    marked, kinds = found[0].tolist(), found[1].tolist()
+                at = lo
+                for off, kind in zip(marked, kinds):
+                    ack_run(topic, part, at, off - 1, default, counts)  # the default up to the next verdict
+                    ack_run(topic, part, off, off, kind, counts)
+                    at = off + 1
+                ack_run(topic, part, at, hi, default, counts)
     try:
         result = consumer.commit_sync(timeout_s)
     except Exception as e:

@@ -23,14 +23,35 @@ from ..errors import ProtocolError
 @dataclass
 class Message:
     op: ClassVar[str] = ""
+    carries_blob: ClassVar[bool] = False  # its handler gets the frame's blob too (Arrow IPC)
 
     def header(self) -> dict:
-        return {"op": self.op, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
+        """``op`` and the fields that differ from their defaults (``parse`` restores those): a read sends
+        two messages per slot and batch, thousands at scale, and JSON costs per byte."""
+        defaults = _DEFAULTS.get(type(self))
+        if defaults is None:
+            defaults = _DEFAULTS[type(self)] = {
+                f.name: (f.default if f.default is not dataclasses.MISSING
+                         else f.default_factory() if f.default_factory is not dataclasses.MISSING else _REQUIRED)
+                for f in dataclasses.fields(self)}
+        out = {"op": self.op}
+        for name, default in defaults.items():
+            value = getattr(self, name)
+            if value != default or default is _REQUIRED:
+                out[name] = value
+        return out
 
     @classmethod
     def parse(cls, header: dict) -> Message:
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = _FIELDS.get(cls)
+        if names is None:  # dataclasses.fields() costs more than the rest of a small message's handling
+            names = _FIELDS[cls] = frozenset(f.name for f in dataclasses.fields(cls))
         return cls(**{k: v for k, v in header.items() if k in names})
+
+
+_FIELDS: dict[type, frozenset[str]] = {}
+_DEFAULTS: dict[type, dict] = {}
+_REQUIRED = object()
 
 
 # --- to the tracker ------------------------------------------------------------------------------
@@ -55,9 +76,16 @@ class Claim(Message):
     spark_batch: int | None = None
     connect_session: str | None = None  # the Spark Connect session of the reading job (foreachBatch under Connect)
     carrying: int = 0  # records the asking agent's session for this read carries from earlier polls
-    # No consumer of the asking agent is free for this read: the reply's ``open`` says whether it may
-    # start one (the query's members are capped: another agent may first have had to close one).
-    needs_member: bool = False
+
+
+@dataclass
+class Member(Message):
+    """The asking agent's read of (batch, slot) finds no free consumer there: may it start one? The
+    reply's ``open`` says so (the query's members are capped: another agent may first have had to close
+    one it did not use in this batch)."""
+    op: ClassVar[str] = "member"
+    batch: int
+    slot: int
 
 
 @dataclass
@@ -103,14 +131,18 @@ class Committed(Message):
 
 @dataclass
 class Verdicts(Message):
-    """reject() / release() of rows of the running batch, by coordinates; all or nothing. The batch is
-    Spark's ``spark_batch`` (classic) or the one the ``connect_session`` is reading (under Spark
-    Connect, where foreachBatch sees no batch id): a tracker that reads no batch for that session
-    answers ``{"match": False}`` and records nothing."""
+    """reject() / release() of rows of the running batch; all or nothing. The rows travel as the blob,
+    a ``verdict_set`` chunk (Arrow IPC), ``part`` of ``parts`` under one ``token``: the last part applies
+    them all, or none. The batch is Spark's ``spark_batch`` (classic) or the one the ``connect_session``
+    is reading (under Spark Connect, where foreachBatch sees no batch id): a tracker that reads no batch
+    for that session answers the first part ``{"match": False}`` and records nothing."""
     op: ClassVar[str] = "verdicts"
+    carries_blob: ClassVar[bool] = True
     spark_batch: int | None
     kind: str  # "reject" | "release"
-    records: list[list]  # [topic, partition, offset]
+    token: str
+    part: int = 0
+    parts: int = 1
     reason: str | None = None
     connect_session: str | None = None
 
@@ -142,13 +174,23 @@ class Prefetch(Message):
 
 
 @dataclass
+class Stage(Message):
+    """A chunk of ``batch``'s verdicts on records held here (a ``verdict_set`` chunk, the blob), for the
+    ``DeadLetter`` (``purpose`` "deadletter": the rejects, with reasons) or the ``Ack`` ("ack") that follows."""
+    op: ClassVar[str] = "stage"
+    carries_blob: ClassVar[bool] = True
+    batch: int
+    purpose: str
+
+
+@dataclass
 class Ack(Message):
-    """Queue the acknowledgement of every slot of ``batch`` held here: ``default`` (ACCEPT or
-    RELEASE) unless a verdict ``[topic, partition, offset, kind]`` says otherwise."""
+    """Queue the acknowledgement of every slot of ``batch`` held here: ``default`` (ACCEPT or RELEASE)
+    unless one of the ``staged`` verdict chunks sent before it says otherwise."""
     op: ClassVar[str] = "ack"
     batch: int
     default: int
-    verdicts: list[list] = field(default_factory=list)
+    staged: int = 0
     timeout_s: float = 30.0
 
 
@@ -161,10 +203,10 @@ class AckResult(Message):
 
 @dataclass
 class DeadLetter(Message):
-    """Write these rejected records of ``batch`` held here (``[topic, partition, offset, reason]``)."""
+    """Write the rejected records of ``batch`` held here, named by the ``staged`` chunks sent before it."""
     op: ClassVar[str] = "deadletter"
     batch: int
-    records: list[list]
+    staged: int
 
 
 @dataclass
@@ -203,8 +245,9 @@ class Read(Message):
     connect_session: str | None = None
 
 
-TO_TRACKER: tuple[type[Message], ...] = (Hello, Claim, Acquired, Fetch, Committed, Verdicts, Status, Drain)
-TRACKER_TO_AGENT: tuple[type[Message], ...] = (Prefetch, Ack, AckResult, DeadLetter, Fetch, Trim, Shutdown, Ping)
+TO_TRACKER: tuple[type[Message], ...] = (Hello, Claim, Member, Acquired, Fetch, Committed, Verdicts, Status, Drain)
+TRACKER_TO_AGENT: tuple[type[Message], ...] = (Prefetch, Stage, Ack, AckResult, DeadLetter, Fetch, Trim, Shutdown,
+                                                Ping)
 TASK_TO_AGENT: tuple[type[Message], ...] = (Read, Ping)
 
 
@@ -227,15 +270,17 @@ def dispatcher(receiver: Any, receives: tuple[type[Message], ...]):
         if op not in by_op:
             raise ProtocolError(f"unknown request {op!r}")
         cls, fn = by_op[op]
-        out = fn(conn, cls.parse(header))
+        out = fn(conn, cls.parse(header), blob) if cls.carries_blob else fn(conn, cls.parse(header))
         return out if isinstance(out, tuple) else (out, b"")
 
     return handle
 
 
-def call(conn, msg: Message, timeout: float | None = None) -> tuple[dict, bytes]:
+def call(conn, msg: Message, timeout: float | None = None, blob=b"") -> tuple[dict, bytes]:
+    if blob:
+        return conn.call(msg.header(), blob, timeout=timeout)
     return conn.call(msg.header(), timeout=timeout)
 
 
-def call_async(conn, msg: Message) -> Future:
-    return conn.call_async(msg.header())
+def call_async(conn, msg: Message, blob=b"") -> Future:
+    return conn.call_async(msg.header(), blob) if blob else conn.call_async(msg.header())

@@ -61,46 +61,60 @@ __all__ = ["AuthError", "RemoteError", "RpcConnection", "RpcServer", "connect", 
 
 
 class _FrameReader:
-    """Turns plaintext into frames; a blob is received into one buffer, handed on as it is."""
+    """Turns plaintext into frames. TLS decrypts into one scratch buffer, from which the prefixes and
+    headers of however many frames a record holds are parsed; once a blob starts, what follows is
+    decrypted straight into the blob's own buffer, handed on as it is (a blob is megabytes)."""
 
     def __init__(self) -> None:
-        self._expect(_FRAME.size, "prefix")
+        self._scratch = bytearray(_CHUNK)
+        self._scratch_view = memoryview(self._scratch)
+        self._pending = bytearray()  # plaintext received and not yet parsed: the start of a frame
         self._header: dict = {}
-        self._blob_len = 0
-
-    def _expect(self, n: int, part: str) -> None:
-        self._buf = bytearray(n)
-        self._view = memoryview(self._buf)
-        self._got = 0
-        self._part = part
+        self._blob: bytearray | None = None
+        self._blob_got = 0
 
     def want(self) -> memoryview:
-        return self._view[self._got:]
+        """Where the next plaintext goes."""
+        if self._blob is not None:
+            return memoryview(self._blob)[self._blob_got:]
+        return self._scratch_view
 
-    def filled(self, n: int) -> tuple[dict, Blob] | None:
-        """``n`` more bytes are in ``want()``'s view: a whole frame, if one is now complete."""
-        self._got += n
-        if self._got < len(self._buf):
-            return None
-        if self._part == "prefix":
-            hl, bl = _FRAME.unpack(self._buf)
+    def filled(self, n: int) -> list[tuple[dict, Blob]]:
+        """``n`` more bytes are in ``want()``'s view: the frames now complete."""
+        if self._blob is not None:
+            self._blob_got += n
+            return [self._blob_done()] if self._blob_got == len(self._blob) else []
+        self._pending += self._scratch_view[:n]
+        frames = []
+        at = 0
+        pending = self._pending
+        while len(pending) - at >= _FRAME.size:
+            hl, bl = _FRAME.unpack_from(pending, at)
             if hl > MAX_HEADER or bl > MAX_BLOB or hl == 0:
                 raise ProtocolError(f"oversized or empty frame ({hl} + {bl} bytes)")
-            self._blob_len = bl
-            self._expect(hl, "header")
-            return None
-        if self._part == "header":
-            header = json.loads(self._buf)
+            if len(pending) - at < _FRAME.size + hl:
+                break
+            header = json.loads(pending[at + _FRAME.size: at + _FRAME.size + hl])
             if not isinstance(header, dict):
                 raise ProtocolError("malformed frame header")
-            if self._blob_len:
-                self._header = header
-                self._expect(self._blob_len, "blob")
-                return None
-            self._expect(_FRAME.size, "prefix")
-            return header, b""
-        frame = (self._header, self._buf)
-        self._expect(_FRAME.size, "prefix")
+            at += _FRAME.size + hl
+            if not bl:
+                frames.append((header, b""))
+                continue
+            self._header, self._blob = header, bytearray(bl)
+            self._blob_got = min(bl, len(pending) - at)
+            self._blob[:self._blob_got] = pending[at: at + self._blob_got]
+            at += self._blob_got
+            if self._blob_got < bl:
+                break  # the rest is decrypted straight into it
+            frames.append(self._blob_done())
+        del pending[:at]
+        return frames
+
+    def _blob_done(self) -> tuple[dict, Blob]:
+        assert self._blob is not None
+        frame = (self._header, self._blob)
+        self._blob, self._blob_got = None, 0
         return frame
 
 
@@ -137,11 +151,13 @@ class RpcConnection:
     def __init__(self, sock: socket.socket, engine: TlsEngine, handler: Handler | None = None,
                  on_close: Callable[[RpcConnection], None] | None = None, name: str = "rpc",
                  pool: ThreadPoolExecutor | None = None, workers: int = 4,
-                 scrub: Callable[[str], str] = lambda s: s, dead_after_s: float = DEAD_AFTER_S):
+                 scrub: Callable[[str], str] = lambda s: s, dead_after_s: float = DEAD_AFTER_S,
+                 inline: Callable[[dict], bool] | None = None):
         self.sock = sock
         self.engine = engine
         self.name = name
         self._handler = handler
+        self._inline = inline  # requests it says may be handled on the loop: brief, and never waiting on a peer
         self._scrub = scrub
         self._on_close = on_close
         self._pending: dict[int, Future] = {}
@@ -217,12 +233,12 @@ class RpcConnection:
                 self.close()
                 return
             try:
-                frame = self._reader.filled(n)
+                frames = self._reader.filled(n)
             except (ProtocolError, ValueError) as e:
                 log.warning("%s: closed the connection: %s", self.name, e)
                 self.close()
                 return
-            if frame is not None:
+            for frame in frames:
                 self._dispatch(*frame)
         answer = self.engine.outgoing()  # only a key update request makes a read write; we never send one
         if answer:
@@ -245,6 +261,9 @@ class RpcConnection:
             else:
                 fut.set_result((header, blob))
         elif kind == "req" and self._pool is not None:
+            if self._inline is not None and self._inline(header):
+                self._handle(rid, header, blob, inline=True)
+                return
             try:
                 self._pool.submit(self._handle, rid, header, blob)
             except RuntimeError:  # the pool shut down: the server or connection is closing
@@ -304,7 +323,7 @@ class RpcConnection:
                     self._pending.pop(rid, None)
             raise
 
-    def _handle(self, rid, header, blob) -> None:
+    def _handle(self, rid, header, blob, inline: bool = False) -> None:
         try:
             assert self._handler is not None  # requests are only handled on connections that have one
             rep, rblob = self._handler(self, header, blob)
@@ -316,8 +335,28 @@ class RpcConnection:
                 rep, rblob = {"_error": self._scrub(str(e)), "_type": name}, b""
             else:
                 rep, rblob = {"_error": self._scrub(f"{type(e).__name__}: {e}")}, b""
+        reply = dict(rep, _id=rid, _kind="rep")
+        if not inline:
+            self._send_or_close(reply, rblob)
+            return
+        # On the loop, never waiting: a reply with a blob, or one that finds a sender in the middle of a
+        # frame (it may be waiting for the loop to flush), leaves from the pool.
+        if rblob or not self._frame_lock.acquire(blocking=False):
+            try:
+                self._pool.submit(self._send_or_close, reply, rblob)  # type: ignore[union-attr]
+            except RuntimeError:  # closing
+                pass
+            return
         try:
-            self._send(dict(rep, _id=rid, _kind="rep"), rblob)
+            self._encrypt(encode_frame(reply, b"")[0], wait=False)
+        except (OSError, ValueError):
+            self.close()
+        finally:
+            self._frame_lock.release()
+
+    def _send_or_close(self, header: dict, blob: Blob) -> None:
+        try:
+            self._send(header, blob)
         except (OSError, ValueError):
             self.close()
 
@@ -433,7 +472,7 @@ class RpcConnection:
 
 def connect(address, secret: str, handler: Handler | None = None, timeout: float = 10.0,
             name: str = "rpc", on_close=None, scrub: Callable[[str], str] = lambda s: s,
-            workers: int = 4) -> RpcConnection:
+            workers: int = 4, inline: Callable[[dict], bool] | None = None) -> RpcConnection:
     """Connect to a TCP (host, port) or Unix socket path, authenticate, return the connection."""
     if isinstance(address, str):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -447,7 +486,8 @@ def connect(address, secret: str, handler: Handler | None = None, timeout: float
     except BaseException:
         sock.close()
         raise
-    return RpcConnection(sock, stream.engine, handler, on_close=on_close, name=name, workers=workers, scrub=scrub)
+    return RpcConnection(sock, stream.engine, handler, on_close=on_close, name=name, workers=workers, scrub=scrub,
+                         inline=inline)
 
 
 class _Admission:
@@ -515,8 +555,10 @@ class RpcServer:
     """
 
     def __init__(self, address, secret: str, handler: Handler, name: str = "server", on_close=None,
-                 scrub: Callable[[str], str] = lambda s: s, workers: int = SERVER_WORKERS):
+                 scrub: Callable[[str], str] = lambda s: s, workers: int = SERVER_WORKERS,
+                 inline: Callable[[dict], bool] | None = None):
         self._secret = secret
+        self._inline = inline
         contexts(secret)  # a bad credential fails here, not in every peer's handshake
         self._handler = handler
         self._scrub = scrub
@@ -601,7 +643,7 @@ class RpcServer:
         self._admitting.discard(a)
         self._loop.unregister(a.sock)
         rpc = RpcConnection(a.sock, a.engine, self._handler, on_close=self._closed, name=self.name,
-                            pool=self._pool, scrub=self._scrub)
+                            pool=self._pool, scrub=self._scrub, inline=self._inline)
         with self._lock:
             closing = self._stopped.is_set()
             if not closing:

@@ -9,8 +9,10 @@ consumer that acquired the record), or act on a batch other than the one running
 from __future__ import annotations
 
 import logging
+import uuid
 
-from .. import connect
+from .. import connect, verdict_set
+from ..acknowledgement import REJECT, RELEASE
 from ..errors import VerdictError
 from ..transport.protocol import Verdicts, call
 from .client import tracker_for, trackers_on_this_host
@@ -29,8 +31,11 @@ def _current_batch(spark) -> tuple[str, int]:
     return qid, int(bid)
 
 
-def _coordinates(rows) -> tuple[object, list[tuple[str, int, int]]]:
-    """(spark session or None, [(topic, partition, offset)]) of a DataFrame or a list of Rows."""
+def _coordinates(rows):
+    """(spark session or None, the rows' (topic, partition, offset) as an Arrow table) of a DataFrame or a
+    list of Rows. A DataFrame's come to this process as Arrow (``toArrow``), never a Python object per row:
+    two million rejects are a table of a few tens of MB."""
+    import pyarrow as pa
     from pyspark.sql import DataFrame
 
     if isinstance(rows, DataFrame):
@@ -38,15 +43,17 @@ def _coordinates(rows) -> tuple[object, list[tuple[str, int, int]]]:
         if missing:
             raise VerdictError(f"rows passed to reject()/release() lack the column(s) {missing}; keep the "
                                "source's topic, partition and offset columns in the DataFrame")
-        coords = [(r[0], int(r[1]), int(r[2])) for r in rows.select(*COORDINATES).collect()]
-        return rows.sparkSession, coords
+        table = rows.select(*COORDINATES).toArrow()
+        return rows.sparkSession, table.cast(verdict_set.COORDINATES)
     out = []
     for r in rows:
         try:
             out.append((r["topic"], int(r["partition"]), int(r["offset"])))
         except (KeyError, ValueError, TypeError, IndexError):
             raise VerdictError(f"row {r!r} lacks the topic, partition and offset fields of the source") from None
-    return None, out
+    return None, pa.table({"topic": pa.array([t for t, _, _ in out], pa.string()),
+                           "partition": pa.array([p for _, p, _ in out], pa.int32()),
+                           "offset": pa.array([o for _, _, o in out], pa.int64())})
 
 
 def _send(kind: str, rows, reason: str | None) -> int:
@@ -59,37 +66,46 @@ def _send(kind: str, rows, reason: str | None) -> int:
     if connect.is_connect(spark):
         return _send_connect(spark, kind, coords, reason)
     qid, batch = _current_batch(spark)
-    if not coords:
+    if not coords.num_rows:
         return 0
     conn = tracker_for(qid)
     if conn is None:
         raise VerdictError(f"query {qid} is not a running kafka-share query on this host")
-    _call(conn, kind, Verdicts(batch, kind, [list(c) for c in coords], reason))
-    return len(coords)
+    return _call(conn, kind, coords, reason, Verdicts(batch, kind, uuid.uuid4().hex, reason=reason))["records"]
 
 
-def _send_connect(spark, kind: str, coords: list, reason: str | None) -> int:
+def _send_connect(spark, kind: str, coords, reason: str | None) -> int:
     """Under Spark Connect, foreachBatch runs in a process of the server's, on the driver host, and
     sees no query or batch id: the batch is the one this Connect session's jobs are reading, and
     the tracker is whichever one on this host has such a batch."""
     if not connect.in_foreach_batch_worker():
         raise VerdictError("spark_share.reject()/release() must be called inside foreachBatch of a kafka-share "
                            "query (under Spark Connect, in the function given to foreachBatch, which the server runs)")
-    if not coords:
+    if not coords.num_rows:
         return 0
-    msg = Verdicts(None, kind, [list(c) for c in coords], reason, connect_session=spark.session_id)
     for conn in trackers_on_this_host():
-        if _call(conn, kind, msg).get("match"):
-            return len(coords)
+        msg = Verdicts(None, kind, uuid.uuid4().hex, reason=reason, connect_session=spark.session_id)
+        rep = _call(conn, kind, coords, reason, msg)
+        if rep.get("match"):
+            return rep["records"]
     raise VerdictError(f"spark_share.{kind}(): these rows are not from the batch being processed by a running "
                        "kafka-share query on this host (pass rows of the DataFrame foreachBatch was given, "
                        f"and run the query's source and its foreachBatch with one runtime directory, "
                        "SPARK_SHARE_RUNTIME_DIR)")
 
 
-def _call(conn, kind: str, msg: Verdicts) -> dict:
+def _call(conn, kind: str, coords, reason: str | None, msg: Verdicts) -> dict:
+    """Send the rows in chunks (each a small frame); the tracker applies them at the last, all or none.
+    A tracker that does not read the batch answers the first chunk ``match: False``."""
+    chunks = verdict_set.VerdictSet.of(coords, {"reject": REJECT, "release": RELEASE}[kind], reason).chunks()
+    msg.parts = len(chunks)
+    rep: dict = {}
     try:
-        rep, _ = call(conn, msg, timeout=60)
+        for part, chunk in enumerate(chunks):
+            msg.part = part
+            rep, _ = call(conn, msg, timeout=120, blob=chunk)
+            if not rep.get("match", True):
+                return rep
     except VerdictError as e:  # the tracker refused them; the error crossed the socket by class
         raise VerdictError(f"spark_share.{kind}(): {e}") from None
     return rep

@@ -160,9 +160,10 @@ class SimAgent:
         self.lock = threading.Lock()
         self.sessions: dict[str, int] = {}  # session id -> last batch it polled
         self.held: dict[int, dict[int, tuple[str, int]]] = {}  # batch -> slot -> (session, rows)
+        self._acked: dict[int, dict] = {}
         self.seq = 0
         self.conn = wire.connect(tuple(address), secret, handler=dispatcher(self, TRACKER_TO_AGENT),
-                                 name="sim-agent", workers=2)
+                                 name="sim-agent", workers=2, inline=lambda h: h.get("op") == "ack")
         hello, _ = call(self.conn, Hello(self.agent_id, self.host, 1000 + index), timeout=60)
         self.conn.set_keepalive(float(hello["dead_after_s"]))
         for _ in range(int(hello["slots"])):
@@ -177,20 +178,21 @@ class SimAgent:
 
     def read(self, batch: int, slot: int) -> tuple[float, float]:
         """One read task of (batch, slot) on this host: (claim RTT, acquired RTT) in ms."""
-        from spark_share.transport.protocol import Acquired, Claim, call
+        from spark_share.transport.protocol import Acquired, Claim, Member, call
 
+        t0 = time.perf_counter()
+        claim, _ = call(self.conn, Claim(batch, slot, "sim-query", batch), timeout=120)
+        t1 = time.perf_counter()
+        if claim["owner"] != self.agent_id:
+            raise AssertionError(f"batch {batch} slot {slot}: owner {claim['owner']}")
         with self.lock:
             free = [s for s, last in self.sessions.items() if last < batch]
             session = free[0] if free else None
             if session is not None:
                 self.sessions[session] = batch
-        t0 = time.perf_counter()
-        claim, _ = call(self.conn, Claim(batch, slot, "sim-query", batch, needs_member=session is None), timeout=120)
-        t1 = time.perf_counter()
-        if claim["owner"] != self.agent_id:
-            raise AssertionError(f"batch {batch} slot {slot}: owner {claim['owner']}")
         if session is None:
-            if not claim.get("open"):
+            member, _ = call(self.conn, Member(batch, slot), timeout=120)
+            if not member["open"]:
                 call(self.conn, Acquired(batch, slot, rows=0, members=len(self.sessions)), timeout=120)
                 return (t1 - t0) * 1000, 0.0
             with self.lock:
@@ -210,7 +212,6 @@ class SimAgent:
     # --- what the tracker asks ------------------------------------------------------------------------
     def _on_ack(self, conn, m) -> dict:
         with self.lock:
-            self._acked = getattr(self, "_acked", {})
             self._acked[m.batch] = self.held.pop(m.batch, {})
         return {"queued": len(self._acked[m.batch])}
 

@@ -345,7 +345,7 @@ def test_agents_on_a_cluster_join_with_one_consumer(kafka, monkeypatch):
     try:
         for master, slots in (("local[2]", 6), ("spark://10.0.0.1:7077", 1), ("yarn", 1)):
             monkeypatch.setenv("SPARK_SHARE_MASTER", master)
-            conn = SimpleNamespace(info={})
+            conn = SimpleNamespace(info={}, set_keepalive=lambda s: None)
             assert t._on_hello(conn, Hello(f"a-{master}", "w1", 1))["slots"] == slots, master
             assert conn.info["host"] == "w1"
         assert t.status()["hosts"] == {"w1": {"agents": 3, "members": 0, "slots": 0}}

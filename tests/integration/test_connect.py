@@ -423,13 +423,17 @@ def test_verdicts_find_their_batch_by_connect_session(kafka):
     """Under Connect a verdict names no batch: the tracker picks the batch its reads ran for in that
     session (the latest still being processed); a tracker without one answers no match and records
     nothing; rows of another batch are refused as in classic mode."""
+    import uuid
     from concurrent.futures import Future
     from types import SimpleNamespace
 
-    from spark_share.acknowledgement import REJECT
+    import pyarrow as pa
+
+    from spark_share.acknowledgement import REJECT, RELEASE
     from spark_share.driver.tracker import Tracker
     from spark_share.options import parse_options
     from spark_share.transport.protocol import Acquired, Claim, Verdicts
+    from spark_share.verdict_set import VerdictSet
 
     topic = kafka.create_topic("by-session", 1)
     t = Tracker(parse_options({**kafka_options(kafka), "kafka.group.id": kafka.group(gid()), "subscribe": topic}))
@@ -443,13 +447,19 @@ def test_verdicts_find_their_batch_by_connect_session(kafka):
             t.plan(n, None)
             assert t._on_claim(conn, Claim(n, 0, connect_session=mine))["owner"] == "a1"
             t._on_acquired(conn, Acquired(n, 0, rows=5, offsets={topic: {"0": [[n * 5, n * 5 + 4]]}}))
-        assert t._on_verdicts(conn, Verdicts(None, "reject", [[topic, 0, 7]], "bad", connect_session=other)) \
-            == {"match": False}
-        rep = t._on_verdicts(conn, Verdicts(None, "reject", [[topic, 0, 7]], "bad", connect_session=mine))
+        def verdicts(kind, offset, session, reason=None):
+            rows = pa.table({"topic": [topic], "partition": pa.array([0], pa.int32()),
+                             "offset": pa.array([offset], pa.int64())})
+            (chunk,) = VerdictSet.of(rows, REJECT if kind == "reject" else RELEASE, reason).chunks()
+            return t._on_verdicts(conn, Verdicts(None, kind, uuid.uuid4().hex, reason=reason, connect_session=session),
+                                  chunk)
+
+        assert verdicts("reject", 7, other, "bad") == {"match": False}
+        rep = verdicts("reject", 7, mine, "bad")
         assert rep["match"] and rep["records"] == 1
-        assert t.batches[1].verdicts == {(topic, 0, 7): (REJECT, "bad")} and not t.batches[0].verdicts
+        assert t.batches[1].verdicts.records() == [(topic, 0, 7, REJECT)] and not t.batches[0].verdicts
         with pytest.raises(VerdictError, match="not from batch"):  # batch 0's offset, in batch 1's session
-            t._on_verdicts(conn, Verdicts(None, "release", [[topic, 0, 2]], connect_session=mine))
+            verdicts("release", 2, mine)
     finally:
         t.agents.clear()
         t.shutdown()

@@ -229,12 +229,14 @@ def test_available_now_waits_for_records_it_gave_back(kafka):
         if req["op"] == "prefetch":  # on one host, planning a batch starts its polls
             f.set_result(({"started": 1}, b""))
             return f
+        if req["op"] == "ack":  # queued on the consumers
+            f.set_result(({"queued": 1}, b""))
+            return f
         assert req["op"] == "ack_result"
         f.set_result(({"slots": {"0": verdict[req["batch"]]}}, b""))
         return f
 
-    agent = SimpleNamespace(info={"agent_id": "a1"}, call=lambda req, timeout=None: ({"queued": 1}, b""),
-                            call_async=ack_result)
+    agent = SimpleNamespace(info={"agent_id": "a1"}, call_async=ack_result)
     t.agents["a1"] = agent
 
     def batch(n, rows=0, redelivered=0, **outcome):
@@ -278,17 +280,16 @@ def test_stop_accepts_a_committed_batch_it_was_not_told_of(kafka, tmp_path):
                                "subscribe": topic}))
     sent = {}
 
-    def call(req, timeout=None):
-        if req["op"] == "ack":
-            sent[req["batch"]] = req["default"]
-        return {"queued": 1}, b""
-
     def ack_result(req):
         f = Future()
-        f.set_result(({"slots": {}}, b""))
+        if req["op"] == "ack":
+            sent[req["batch"]] = req["default"]
+            f.set_result(({"queued": 1}, b""))
+        else:
+            f.set_result(({"slots": {}}, b""))
         return f
 
-    agent = SimpleNamespace(info={"agent_id": "a1"}, call=call, call_async=ack_result,
+    agent = SimpleNamespace(info={"agent_id": "a1"}, call_async=ack_result,
                             wait_closed=lambda timeout=None: True)
     t.agents["a1"] = agent
     (tmp_path / "commits").mkdir()
@@ -553,7 +554,7 @@ def test_a_batch_planned_before_the_agent_joined_is_polled_when_it_joins(kafka, 
         b = t.plan(0, None)
         assert b is not None and b.slots == 2
         assert sent == [], "a prefetch went nowhere: no agent had joined"
-        t._on_hello(SimpleNamespace(info={}, call_async=call_async), Hello("a1", "vm", 1))
+        t._on_hello(SimpleNamespace(info={}, call_async=call_async, set_keepalive=lambda s: None), Hello("a1", "vm", 1))
         assert [(r["op"], r["batch"], r["count"]) for r in sent] == [("prefetch", 0, 2)]
     finally:
         t.agents.clear()

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from spark_share.acknowledgement import AckOutcome
+from spark_share.acknowledgement import REJECT, AckOutcome
 from spark_share.driver.batches import ACKED, ACKING, FINISHED, IN_FLIGHT, PLANNED, QUEUED, RELEASED, VOID, BatchState
 
 
@@ -54,7 +54,7 @@ def test_a_new_batch_is_planned_and_has_read_nothing():
     assert b.state == PLANNED
     assert (b.rows, b.min_offsets(), b.held_ms(), b.timed_out) == (0, {}, None, False)
     assert b.outcome == AckOutcome()
-    assert b.holders("t", 0, 0) == []
+    assert b.runs_by_agent() == {} and not b.verdicts
 
 
 def test_rows_and_what_each_agent_holds():
@@ -70,14 +70,21 @@ def test_min_offsets_is_the_first_offset_acquired_per_partition_across_slots():
     assert b.min_offsets()[("t", 0)] == 5
 
 
-def test_holders_are_the_agents_whose_runs_contain_the_record():
+def test_each_agent_holds_the_records_of_its_runs():
+    from spark_share.verdict_set import VerdictSet
+
     b = two_agent_batch()
-    assert b.holders("t", 0, 10) == ["a"] and b.holders("t", 0, 19) == ["a"] and b.holders("t", 0, 34) == ["a"]
-    assert b.holders("t", 0, 25) == [] and b.holders("t", 0, 9) == []  # between and before the runs
-    assert b.holders("t", 1, 4) == ["b"] and b.holders("t", 2, 4) == [] and b.holders("u", 0, 10) == []
+
+    def holders(t, p, o):
+        one = VerdictSet.from_records([(t, p, o)], kind=REJECT)
+        return sorted(a for a, runs in b.runs_by_agent().items() if one.within(runs))
+
+    assert holders("t", 0, 10) == ["a"] and holders("t", 0, 19) == ["a"] and holders("t", 0, 34) == ["a"]
+    assert holders("t", 0, 25) == [] and holders("t", 0, 9) == []  # between and before the runs
+    assert holders("t", 1, 4) == ["b"] and holders("t", 2, 4) == [] and holders("u", 0, 10) == []
     # A lost agent's records handed by the broker to another agent, read for another slot: two holders.
     b.acquired[3] = slot("c", 10, {"t": {"0": [[10, 19]]}})
-    assert b.holders("t", 0, 12) == ["a", "c"]
+    assert holders("t", 0, 12) == ["a", "c"]
 
 
 def test_timed_out_only_when_nothing_was_acquired_and_a_poll_ran_out_of_time():

@@ -21,12 +21,14 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
+from spark_share.acknowledgement import REJECT
 from spark_share.deadletter_target import check_path, check_target
 from spark_share.errors import DeadLetterError, SourceError
 from spark_share.executor import deadletter
 from spark_share.executor.deadletter import DeadLetterWriter, rejected_table
 from spark_share.executor.records import arrow_schema
 from spark_share.options import parse_options
+from spark_share.verdict_set import VerdictSet
 
 T0 = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
 
@@ -40,6 +42,11 @@ def cached_batch(n: int = 6, headers: bool = True, topic: str = "orders") -> pa.
     return pa.RecordBatch.from_pylist(rows, schema=arrow_schema(headers))
 
 
+def rejects(reasons: dict) -> VerdictSet:
+    """REJECT verdicts on (topic, partition, offset) -> reason."""
+    return VerdictSet.from_records([(t, p, o, REJECT, why) for (t, p, o), why in reasons.items()])
+
+
 def options(**extra: str):
     return parse_options({"kafka.bootstrap.servers": "broker:9092", "kafka.group.id": "g", "subscribe": "orders",
                           **extra})
@@ -48,7 +55,7 @@ def options(**extra: str):
 # --- choosing the rejected rows ------------------------------------------------------------------------
 def test_the_rejected_rows_keep_every_field_and_get_the_dead_letter_ones():
     b = cached_batch()
-    t = rejected_table(b, {("orders", 1, 101): "unparseable", ("orders", 0, 104): None, ("orders", 0, 999): "x"},
+    t = rejected_table(b, rejects({("orders", 1, 101): "unparseable", ("orders", 0, 104): None, ("orders", 0, 999): "x"}),
                        "query-1", 7)
     assert t.num_rows == 2  # the record not in this batch is simply not there
     assert t.column_names == b.schema.names + ["reason", "queryId", "rejectedAt"]
@@ -63,7 +70,7 @@ def test_the_rejected_rows_keep_every_field_and_get_the_dead_letter_ones():
 
 def test_nothing_rejected_in_a_slot_writes_nothing(tmp_path):
     w = DeadLetterWriter(None, str(tmp_path / "dlq"), {})
-    assert w.write(rejected_table(cached_batch(), {("orders", 0, 5): "x"}, "q", 0), 0, "slot0") == 0
+    assert w.write(rejected_table(cached_batch(), rejects({("orders", 0, 5): "x"}), "q", 0), 0, "slot0") == 0
     assert not (tmp_path / "dlq").exists()
 
 
@@ -72,10 +79,10 @@ def test_the_table_gets_one_file_per_batch_and_slot_readable_by_pyarrow(tmp_path
     path = tmp_path / "dlq"
     w = DeadLetterWriter(None, str(path), {})
     b = cached_batch()
-    assert w.write(rejected_table(b, {("orders", 0, 100): "bad", ("orders", 1, 103): "worse"}, "q-1", 3), 3,
+    assert w.write(rejected_table(b, rejects({("orders", 0, 100): "bad", ("orders", 1, 103): "worse"}), "q-1", 3), 3,
                    "tr-slot0") == 2
-    assert w.write(rejected_table(b, {("orders", 0, 102): "bad"}, "q-1", 3), 3, "tr-slot1") == 1
-    assert w.write(rejected_table(b, {("orders", 1, 105): "late"}, "q-1", 4), 4, "tr-slot0") == 1
+    assert w.write(rejected_table(b, rejects({("orders", 0, 102): "bad"}), "q-1", 3), 3, "tr-slot1") == 1
+    assert w.write(rejected_table(b, rejects({("orders", 1, 105): "late"}), "q-1", 4), 4, "tr-slot0") == 1
     files = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
     assert files == ["batchId=3/tr-slot0.parquet", "batchId=3/tr-slot1.parquet", "batchId=4/tr-slot0.parquet"]
 
@@ -93,7 +100,7 @@ def test_the_table_gets_one_file_per_batch_and_slot_readable_by_pyarrow(tmp_path
 
 def test_a_file_uri_path_is_the_same_table(tmp_path):
     w = DeadLetterWriter(None, f"file://{tmp_path / 'dlq'}", {})
-    assert w.write(rejected_table(cached_batch(headers=False), {("orders", 0, 100): "x"}, None, 0), 0, "s0") == 1
+    assert w.write(rejected_table(cached_batch(headers=False), rejects({("orders", 0, 100): "x"}), None, 0), 0, "s0") == 1
     assert pq.read_table(tmp_path / "dlq" / "batchId=0" / "s0.parquet").column("queryId").to_pylist() == [None]
 
 
@@ -108,7 +115,7 @@ def test_no_half_written_file_is_ever_visible(tmp_path, monkeypatch):
         assert not list((tmp_path / "dlq").rglob("*.parquet")), "the final name appeared before the write ended"
     monkeypatch.setattr(pq, "write_table", write_table)
     w = DeadLetterWriter(None, str(tmp_path / "dlq"), {})
-    w.write(rejected_table(cached_batch(), {("orders", 0, 100): "x"}, "q", 9), 9, "s0")
+    w.write(rejected_table(cached_batch(), rejects({("orders", 0, 100): "x"}), "q", 9), 9, "s0")
     assert [s.rsplit("/", 1)[1] for s in seen] == [".s0.parquet.tmp"]
     assert [p.name for p in (tmp_path / "dlq" / "batchId=9").iterdir()] == ["s0.parquet"]
 
@@ -218,7 +225,7 @@ def test_the_topic_target_produces_each_record_with_its_fields_as_headers(produc
     made, _ = producers
     w = DeadLetterWriter("dlq", None, {"bootstrap.servers": "broker:9092", "sasl.username": "u"})
     w.connect()
-    t = rejected_table(cached_batch(), {("orders", 1, 101): "unparseable", ("orders", 0, 102): None}, "q-1", 5)
+    t = rejected_table(cached_batch(), rejects({("orders", 1, 101): "unparseable", ("orders", 0, 102): None}), "q-1", 5)
     assert w.write(t, 5, "ignored-for-topics") == 2
     (p,) = made
     assert p.conf["enable.idempotence"] == "true" and p.conf["acks"] == "all"
@@ -240,7 +247,7 @@ def test_the_topic_target_produces_each_record_with_its_fields_as_headers(produc
 def test_records_without_headers_get_only_the_dead_letter_headers(producers):
     made, _ = producers
     w = DeadLetterWriter("dlq", None, {})
-    w.write(rejected_table(cached_batch(headers=False), {("orders", 0, 100): "x"}, None, 0), 0, "s")
+    w.write(rejected_table(cached_batch(headers=False), rejects({("orders", 0, 100): "x"}), None, 0), 0, "s")
     assert all(k.startswith("spark-share.") for k, _ in made[0].produced[0]["headers"])
     assert dict(made[0].produced[0]["headers"])["spark-share.queryId"] == b""
 
@@ -254,7 +261,7 @@ def test_a_refused_or_unflushed_write_fails_naming_the_topic(producers, behaviou
     _, b = producers
     b.update(behaviour)
     w = DeadLetterWriter("dlq", None, {})
-    t = rejected_table(cached_batch(), {("orders", 0, 100): "x", ("orders", 1, 101): "y"}, "q", 1)
+    t = rejected_table(cached_batch(), rejects({("orders", 0, 100): "x", ("orders", 1, 101): "y"}), "q", 1)
     with pytest.raises(DeadLetterError, match=rf"writing 2 rejected records to dead-letter topic 'dlq' failed: .*{expected}"):
         w.write(t, 1, "s")
 
@@ -263,8 +270,8 @@ def test_the_producer_is_opened_once_and_only_for_a_topic(producers, tmp_path):
     made, _ = producers
     w = DeadLetterWriter("dlq", None, {})
     w.connect()
-    w.write(rejected_table(cached_batch(), {("orders", 0, 100): "x"}, "q", 1), 1, "s")
-    w.write(rejected_table(cached_batch(), {("orders", 0, 102): "x"}, "q", 2), 2, "s")
+    w.write(rejected_table(cached_batch(), rejects({("orders", 0, 100): "x"}), "q", 1), 1, "s")
+    w.write(rejected_table(cached_batch(), rejects({("orders", 0, 102): "x"}), "q", 2), 2, "s")
     assert len(made) == 1 and len(made[0].produced) == 2
     DeadLetterWriter(None, str(tmp_path / "dlq"), {}).connect()
     assert len(made) == 1, "a path target needs no producer"

@@ -16,7 +16,8 @@ BUILTIN_PARENT = {errors.OptionError: ValueError, errors.ConfigError: ValueError
                   errors.JobError: RuntimeError, errors.EmbeddedKafkaError: RuntimeError,
                   errors.RemoteError: RuntimeError, errors.RuntimeDirError: PermissionError,
                   errors.AuthError: ConnectionError, errors.PeerConnectionError: ConnectionError,
-                  errors.UnsupportedSparkError: ImportError, errors.MemberRefused: RuntimeError}
+                  errors.UnsupportedSparkError: ImportError, errors.MemberRefused: RuntimeError,
+                  errors.VerdictClash: ValueError}
 
 
 def test_every_error_has_the_common_base_and_its_builtin_parent():
@@ -89,23 +90,27 @@ def test_our_errors_cross_a_socket_as_themselves_others_as_remote_error(tmp_path
 
 
 def test_a_refused_verdict_reaches_the_user_as_a_verdict_error_naming_the_call():
+    import pyarrow as pa
+
     from spark_share.transport.protocol import Verdicts
     from spark_share.user import verdicts
 
+    rows = pa.table({"topic": ["t"], "partition": pa.array([0], pa.int32()), "offset": pa.array([1], pa.int64())})
+
     class Tracker:  # what the tracker's refusal looks like once it has crossed the socket
-        def call(self, header, timeout=None):
+        def call(self, header, blob=b"", timeout=None):
             raise errors.VerdictError("2 rows were already given the opposite verdict")
 
     with pytest.raises(errors.VerdictError) as e:
-        verdicts._call(Tracker(), "release", Verdicts(0, "release", [["t", 0, 1]], None))
+        verdicts._call(Tracker(), "release", rows, None, Verdicts(0, "release", "tok"))
     assert str(e.value) == "spark_share.release(): 2 rows were already given the opposite verdict"
 
     class Broken:  # any other failure is not dressed up as a refusal
-        def call(self, header, timeout=None):
+        def call(self, header, blob=b"", timeout=None):
             raise errors.RemoteError("ValueError: boom")
 
     with pytest.raises(errors.RemoteError, match="ValueError: boom"):
-        verdicts._call(Broken(), "reject", Verdicts(0, "reject", [["t", 0, 1]], None))
+        verdicts._call(Broken(), "reject", rows, None, Verdicts(0, "reject", "tok"))
 
 
 def test_bad_input_and_setup_errors_are_ours_and_keep_their_builtin_parent(tmp_path, monkeypatch):

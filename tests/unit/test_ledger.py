@@ -20,6 +20,33 @@ def ledger() -> BatchLedger:
     return BatchLedger(BatchPolicy(2, idle_probe_ms=1000), max_delivery_count=5)
 
 
+def verdicts(ledger: BatchLedger, spark_batch, kind: str, rows: list, reason=None, connect_session=None) -> dict:
+    """A reject()/release() call of the user's process, as the tracker gets it: chunks under one token."""
+    import uuid
+
+    import pyarrow as pa
+
+    from spark_share.verdict_set import VerdictSet
+
+    table = pa.table({"topic": [r[0] for r in rows], "partition": pa.array([r[1] for r in rows], pa.int32()),
+                      "offset": pa.array([r[2] for r in rows], pa.int64())})
+    chunks = VerdictSet.of(table, {"reject": REJECT, "release": RELEASE}[kind], reason).chunks(rows=1)
+    msg = Verdicts(spark_batch, kind, uuid.uuid4().hex, parts=len(chunks), reason=reason,
+                   connect_session=connect_session)
+    rep: dict = {}
+    for part, chunk in enumerate(chunks):
+        msg.part = part
+        rep = ledger.record_verdicts(msg, chunk)
+        if not rep.get("match", True):
+            break
+    return rep
+
+
+def given(b) -> list:
+    """A batch's verdicts as (topic, partition, offset, kind, reason)."""
+    return sorted((r["topic"], r["partition"], r["offset"], r["kind"], r["reason"]) for r in b.verdicts.to_table().to_pylist())
+
+
 def acquired(ledger: BatchLedger, batch: int, slot: int, agent: str, runs: dict, poison=()) -> None:
     rows = sum(hi - lo + 1 for parts in runs.values() for rs in parts.values() for lo, hi in rs)
     ledger.acquired(Acquired(batch, slot, rows=rows, offsets=runs, poison=[list(p) for p in poison]), agent)
@@ -76,7 +103,7 @@ def test_records_at_the_delivery_limit_are_rejected_with_the_reason(ledger):
     ledger.plan(0, None, version=1)
     acquired(ledger, 0, 0, "a1", {"t": {"0": [[5, 7]]}}, poison=[("t", 0, 6, 5)])
     b = ledger.batches[0]
-    assert b.verdicts == {("t", 0, 6): (REJECT, "deliveryCount 5 reached maxDeliveryCount 5")}
+    assert given(b) == [("t", 0, 6, REJECT, "deliveryCount 5 reached maxDeliveryCount 5")]
     assert b.rows == 3 and ledger.total_acquired == 3
 
 
@@ -85,25 +112,23 @@ def test_verdicts_are_all_or_nothing(ledger):
     ledger.claim(Claim(0, 0, spark_batch=4), "a1", {"a1"})
     acquired(ledger, 0, 0, "a1", {"t": {"0": [[0, 9]]}})
     with pytest.raises(VerdictError, match="batch 5 has no kafka-share records"):
-        ledger.record_verdicts(Verdicts(5, "reject", records=[["t", 0, 1]]))
+        verdicts(ledger, 5, "reject", [["t", 0, 1]])
     with pytest.raises(VerdictError, match="1 of 2 rows are not from batch 4"):
-        ledger.record_verdicts(Verdicts(4, "reject", records=[["t", 0, 1], ["t", 0, 50]]))
-    assert ledger.batches[0].verdicts == {}
-    assert ledger.record_verdicts(Verdicts(4, "reject", records=[["t", 0, 1]], reason="bad")) == \
-        {"ok": True, "match": True, "records": 1}
+        verdicts(ledger, 4, "reject", [["t", 0, 1], ["t", 0, 50]])
+    assert given(ledger.batches[0]) == []
+    assert verdicts(ledger, 4, "reject", [["t", 0, 1]], reason="bad") == {"ok": True, "match": True, "records": 1}
     with pytest.raises(VerdictError, match="opposite verdict"):
-        ledger.record_verdicts(Verdicts(4, "release", records=[["t", 0, 2], ["t", 0, 1]]))
-    assert ledger.batches[0].verdicts == {("t", 0, 1): (REJECT, "bad")}
+        verdicts(ledger, 4, "release", [["t", 0, 2], ["t", 0, 1]])
+    assert given(ledger.batches[0]) == [("t", 0, 1, REJECT, "bad")]
 
 
 def test_verdicts_under_connect_find_the_batch_by_session(ledger):
     ledger.plan(0, None, version=1)
     ledger.claim(Claim(0, 0, connect_session="s1"), "a1", {"a1"})
     acquired(ledger, 0, 0, "a1", {"t": {"0": [[0, 3]]}})
-    assert ledger.record_verdicts(Verdicts(None, "release", records=[["t", 0, 2]], connect_session="other")) == \
-        {"match": False}
-    assert ledger.record_verdicts(Verdicts(None, "release", records=[["t", 0, 2]], connect_session="s1"))["records"] == 1
-    assert ledger.batches[0].verdicts[("t", 0, 2)][0] == RELEASE
+    assert verdicts(ledger, None, "release", [["t", 0, 2]], connect_session="other") == {"match": False}
+    assert verdicts(ledger, None, "release", [["t", 0, 2]], connect_session="s1")["records"] == 1
+    assert given(ledger.batches[0]) == [("t", 0, 2, RELEASE, None)]
 
 
 def test_only_batches_spark_committed_are_due(ledger):

@@ -8,6 +8,7 @@ import pytest
 
 from spark_share.acknowledgement import ACCEPT, REJECT, RELEASE
 from spark_share.executor import session as session_mod
+from spark_share.verdict_set import VerdictSet
 
 
 class NotInFlight(Exception):
@@ -61,7 +62,7 @@ HELD = [("t", 0, o) for o in [*range(10, 20), *range(30, 35)]] + [("t", 3, o) fo
 
 def test_every_held_record_is_accepted_once_in_offset_order(session):
     s, consumer, _ = session
-    out = s.acknowledge({}, 5).result(5)
+    out = s.acknowledge(None, 5).result(5)
     assert consumer.acked == [(*r, ACCEPT) for r in HELD]
     assert (out.accepted, out.failed) == (25, 0) and consumer.commits == 1 and s.holding is None
 
@@ -69,7 +70,7 @@ def test_every_held_record_is_accepted_once_in_offset_order(session):
 def test_a_refused_record_is_counted_and_the_rest_of_its_run_still_acknowledged(session):
     s, consumer, refuse = session
     refuse.update({("t", 0, 13), ("t", 0, 34), ("t", 3, 0)})  # mid-run, last of a run, first of a run
-    out = s.acknowledge({}, 5).result(5)
+    out = s.acknowledge(None, 5).result(5)
     assert consumer.acked == [(*r, ACCEPT) for r in HELD if r not in refuse]
     assert (out.accepted, out.failed) == (22, 3)
     assert out.errors == {"NotInFlight": 3}
@@ -79,7 +80,7 @@ def test_verdicts_pick_each_records_kind(session):
     s, consumer, refuse = session
     refuse.add(("t", 0, 15))
     verdicts = {("t", 0, 11): REJECT, ("t", 3, 9): RELEASE, ("t", 0, 15): REJECT}
-    out = s.acknowledge(verdicts, 5).result(5)
+    out = s.acknowledge(VerdictSet.from_records([(*r, k) for r, k in verdicts.items()]), 5).result(5)
     assert consumer.acked == [(*r, verdicts.get(r, ACCEPT)) for r in HELD if r not in refuse]
     assert (out.accepted, out.rejected, out.released, out.failed) == (22, 1, 1, 1)
 
@@ -129,7 +130,7 @@ def test_a_poll_bigger_than_its_batch_carries_the_excess_to_the_next_batch_witho
             rb, holding = s.poll(batch, 0, 100, 1000).result(5)
             sizes.append(rb.num_rows)
             assert s.carrying == max(0, 250 - sum(sizes))
-            s.acknowledge({}, 5).result(5)
+            s.acknowledge(None, 5).result(5)
         assert sizes == [100, 100, 50] and consumer.poll_calls == 1
         kinds = {kind for *_, kind in consumer.acked}
         assert kinds == {ACCEPT} and len(consumer.acked) == 250 == len(set(consumer.acked))
@@ -155,7 +156,7 @@ def test_carried_records_too_old_for_the_lock_are_released_not_handed_out(monkey
     try:
         consumer = made[0]
         rb, _ = s.poll(1, 0, 100, 1000, carry_ms=10_000).result(5)
-        s.acknowledge({}, 5).result(5)
+        s.acknowledge(None, 5).result(5)
         assert rb.num_rows == 100 and s.carrying == 900
         s._carried_at -= 20  # the carried records are 20 s old now: past a 10 s carry limit
         rb, holding = s.poll(2, 0, 100, 1000, carry_ms=10_000).result(5)

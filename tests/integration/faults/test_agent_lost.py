@@ -29,7 +29,7 @@ from spark_share.acknowledgement import ACCEPT, REJECT
 from spark_share.driver.acks import AGENT_LOST
 from spark_share.transport.protocol import Claim
 
-from .helpers import StubAgent, acquired, tracker
+from .helpers import StubAgent, acquired, give, tracker
 
 pytestmark = pytest.mark.slow
 
@@ -78,13 +78,12 @@ def test_row17_agent_lost_while_a_batch_with_rejects_commits(kafka, tmp_path):
         t.plan(0, None)
         acquired(t, live, 0, 0, topic, 0, 0, 9)
         acquired(t, lost, 0, 1, topic, 1, 0, 9)
-        t.batches[0].verdicts.update({(topic, 0, 3): (REJECT, "bad"), (topic, 1, 4): (REJECT, "bad")})
+        give(t.batches[0], (topic, 0, 3, REJECT, "bad"), (topic, 1, 4, REJECT, "bad"))
         t.batch_committed(0)
         assert t.failure is None
-        dead = [r for r in live.sent if r["op"] == "deadletter"]
-        assert [d["records"] for d in dead] == [[[topic, 0, 3, "bad"]]]
-        ack = next(r for r in live.sent if r["op"] == "ack")
-        assert ack["default"] == ACCEPT and [topic, 0, 3, REJECT] in ack["verdicts"]
+        assert live.dead_letters() == [[[topic, 0, 3, "bad"]]], "each agent writes only the rejects it holds"
+        (default, verdicts), = live.acks()
+        assert default == ACCEPT and verdicts == [[topic, 0, 3, REJECT]], "each agent gets only its verdicts"
         o = t.batches[0].outcome
         assert (o.failed, o.errors) == (10, {AGENT_LOST: 10})
     finally:
@@ -105,13 +104,12 @@ def test_row18_a_rejected_record_two_agents_held_is_dead_lettered_by_the_live_on
         t.plan(0, None)
         acquired(t, lost, 0, 0, topic, 0, 0, 9)  # read first, then its agent was killed
         acquired(t, live, 0, 1, topic, 0, 0, 9)  # the same records, released by the broker, read again
-        t.batches[0].verdicts.update({(topic, 0, 3): (REJECT, "bad")})
+        give(t.batches[0], (topic, 0, 3, REJECT, "bad"))
         t.batch_committed(0)
         assert t.failure is None
-        dead = [r for r in live.sent if r["op"] == "deadletter"]
-        assert [d["records"] for d in dead] == [[[topic, 0, 3, "bad"]]], "the live holder must write it"
-        ack = next(r for r in live.sent if r["op"] == "ack")
-        assert ack["default"] == ACCEPT and [topic, 0, 3, REJECT] in ack["verdicts"]
+        assert live.dead_letters() == [[[topic, 0, 3, "bad"]]], "the live holder must write it"
+        (default, verdicts), = live.acks()
+        assert default == ACCEPT and [topic, 0, 3, REJECT] in verdicts
         assert t.batches[0].outcome.errors == {AGENT_LOST: 10}
     finally:
         t.agents.clear()

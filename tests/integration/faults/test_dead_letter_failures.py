@@ -22,6 +22,7 @@ from harness.support import (
     wait_until,
 )
 from spark_share.acknowledgement import ACCEPT, REJECT
+from spark_share.verdict_set import VerdictSet
 
 from .helpers import StubAgent, acquired, tracker
 
@@ -80,7 +81,7 @@ def test_a_dead_letter_write_that_finds_fewer_records_still_fails(kafka, tmp_pat
     try:
         t.plan(0, None)
         acquired(t, live, 0, 0, topic, 0, 0, 9)
-        t.batches[0].verdicts[(topic, 0, 3)] = (REJECT, "bad")
+        t.batches[0].verdicts.update(VerdictSet.from_records([(topic, 0, 3, REJECT, "bad")]))
         with pytest.raises(Exception, match="deadLetterPath"):
             t.batch_committed(0)
         assert next(r for r in live.sent if r["op"] == "ack")["default"] != ACCEPT
