@@ -45,7 +45,7 @@ sys.path[:0] = [p for p in (ROOT, os.path.dirname(HERE)) if p not in sys.path]
 
 TOPIC = "scale"
 GROUP = "scale-sim"
-RECORDS_PER_SLOT = 100
+RECORDS_PER_SLOT = 100  # what each simulated read "acquires" (--rows-per-slot)
 
 
 # --- the tracker's process ---------------------------------------------------------------------------
@@ -149,7 +149,7 @@ class Members:
 class SimAgent:
     """An agent as the tracker sees it: a connection, consumers (counted, not real), answers."""
 
-    def __init__(self, index: int, address, secret: str, members: Members, partitions: int):
+    def __init__(self, index: int, address, secret: str, members: Members, partitions: int, rows: int):
         from spark_share.transport import wire
         from spark_share.transport.protocol import TRACKER_TO_AGENT, Hello, call, dispatcher
 
@@ -157,13 +157,16 @@ class SimAgent:
         self.host = f"sim-host-{index}"
         self.members = members
         self.partitions = partitions
+        self.rows = rows
+        self.verdicts_received = 0  # verdicts the tracker sent this agent (it must hold every one)
+        self.staged: dict[int, list] = {}
         self.lock = threading.Lock()
         self.sessions: dict[str, int] = {}  # session id -> last batch it polled
         self.held: dict[int, dict[int, tuple[str, int]]] = {}  # batch -> slot -> (session, rows)
         self._acked: dict[int, dict] = {}
         self.seq = 0
         self.conn = wire.connect(tuple(address), secret, handler=dispatcher(self, TRACKER_TO_AGENT),
-                                 name="sim-agent", workers=2, inline=lambda h: h.get("op") == "ack")
+                                 name="sim-agent", workers=2, inline=lambda h: h.get("op") in ("stage", "ack"))
         hello, _ = call(self.conn, Hello(self.agent_id, self.host, 1000 + index), timeout=60)
         self.conn.set_keepalive(float(hello["dead_after_s"]))
         for _ in range(int(hello["slots"])):
@@ -197,7 +200,7 @@ class SimAgent:
                 return (t1 - t0) * 1000, 0.0
             with self.lock:
                 session = self._open(batch)
-        rows = RECORDS_PER_SLOT
+        rows = self.rows
         p = slot % self.partitions
         first = batch * rows
         offsets = {TOPIC: {str(p): [[first, first + rows - 1]]}}
@@ -210,15 +213,32 @@ class SimAgent:
         return (t1 - t0) * 1000, (t3 - t2) * 1000
 
     # --- what the tracker asks ------------------------------------------------------------------------
-    def _on_ack(self, conn, m) -> dict:
+    def _on_stage(self, conn, m, blob) -> dict:
         with self.lock:
-            self._acked[m.batch] = self.held.pop(m.batch, {})
-        return {"queued": len(self._acked[m.batch])}
+            self.staged.setdefault(m.batch, []).append(blob)
+        return {"staged": True}
+
+    def _on_ack(self, conn, m) -> dict:
+        from spark_share.verdict_set import VerdictSet
+
+        with self.lock:
+            held = self.held.pop(m.batch, {})
+            chunks = self.staged.pop(m.batch, [])
+        rejected = 0
+        if chunks:
+            verdicts = VerdictSet.from_chunks(chunks)
+            mine = {(TOPIC, s % self.partitions) for s in held}
+            assert set(verdicts.parts) <= mine, "a verdict on a record this agent does not hold"
+            rejected = len(verdicts)
+            self.verdicts_received += rejected
+        with self.lock:
+            self._acked[m.batch] = (sum(rows for _, rows in held.values()), rejected)
+        return {"queued": len(held)}
 
     def _on_ack_result(self, conn, m) -> dict:
         with self.lock:
-            slots = self._acked.pop(m.batch, {})
-        return {"slots": {str(s): {"accepted": rows} for s, (_, rows) in slots.items()}}
+            rows, rejected = self._acked.pop(m.batch, (0, 0))
+        return {"slots": {"all": {"accepted": rows - rejected, "rejected": rejected}}}
 
     def _on_trim(self, conn, m) -> dict:
         with self.lock:
@@ -251,8 +271,8 @@ def agents_main(args) -> None:
     first = json.loads(sys.stdin.readline())
     members = Members()
     with ThreadPoolExecutor(max_workers=16) as boot:
-        agents = list(boot.map(lambda i: SimAgent(i, first["address"], first["secret"], members, args.partitions),
-                               range(args.agents)))
+        agents = list(boot.map(lambda i: SimAgent(i, first["address"], first["secret"], members, args.partitions,
+                                                  args.rows_per_slot), range(args.agents)))
     rng = random.Random(args.seed)
     workers = ThreadPoolExecutor(max_workers=args.concurrency)
     print(json.dumps({"ready": len(agents), "members": members.now}), flush=True)
@@ -271,7 +291,8 @@ def agents_main(args) -> None:
         rtts = [f.result() for f in futs if f.exception() is None]
         print(json.dumps({"batch": cmd["batch"], "claimMs": [round(c, 2) for c, _ in rtts],
                           "acquiredMs": [round(a, 2) for _, a in rtts], "errors": errors[:5],
-                          "members": members.now, "mostMembers": members.most}), flush=True)
+                          "members": members.now, "mostMembers": members.most,
+                          "verdictsReceived": sum(a.verdicts_received for a in agents)}), flush=True)
     for a in agents:
         a.conn.close()
 
@@ -283,6 +304,42 @@ class SimResult:
     final: dict
     most_members: int
     member_limit: int
+    rejects: dict | None = None  # the reject() of the second batch, when asked for
+
+
+def reject_rows(hello: dict, batch: int, slots: list, partitions: int, rows_per_slot: int, n: int) -> dict:
+    """reject() of ``n`` rows of ``batch`` (the first rows of its slots, as the agents acquired them), sent
+    as the user's process sends it: chunks over a TLS connection to the tracker."""
+    import uuid
+
+    import numpy as np
+    import pyarrow as pa
+
+    from spark_share.acknowledgement import REJECT
+    from spark_share.transport import wire
+    from spark_share.transport.protocol import Verdicts, call
+    from spark_share.verdict_set import VerdictSet
+
+    per = min(rows_per_slot, -(-n // len(slots)))
+    parts = np.repeat(np.array([s % partitions for _, s, _ in slots], np.int32), per)
+    offsets = np.tile(np.arange(per, dtype=np.int64), len(slots)) + batch * rows_per_slot
+    table = pa.table({"topic": pa.array(np.full(len(parts), TOPIC, object), pa.string()), "partition": parts,
+                      "offset": offsets}).slice(0, n)
+    t0 = time.perf_counter()
+    chunks = VerdictSet.of(table, REJECT, "simulated poison").chunks()
+    conn = wire.connect(tuple(hello["address"]), hello["secret"], name="sim-user")
+    try:
+        t1 = time.perf_counter()
+        msg = Verdicts(batch, "reject", uuid.uuid4().hex, parts=len(chunks), reason="simulated poison")
+        for part, chunk in enumerate(chunks):
+            msg.part = part
+            rep, _ = call(conn, msg, timeout=600, blob=chunk)
+        t2 = time.perf_counter()
+    finally:
+        conn.close()
+    assert rep.get("records") == n, rep
+    return {"rows": n, "chunks": len(chunks), "bytes": sum(c.size for c in chunks),
+            "encodeMs": round((t1 - t0) * 1000, 1), "trackerMs": round((t2 - t1) * 1000, 1)}
 
     def median(self, key: str) -> float:
         return statistics.median(b[key] for b in self.batches)
@@ -310,7 +367,7 @@ def _send(p: subprocess.Popen, msg: dict) -> None:
 
 
 def run(agents: int, slots: int, partitions: int, batches: int, placement: str = "sticky", seed: int = 1,
-        concurrency: int = 64, progress=None) -> SimResult:
+        concurrency: int = 64, progress=None, rows_per_slot: int = RECORDS_PER_SLOT, rejects: int = 0) -> SimResult:
     """One simulation; the embedded broker lives in this process."""
     from spark_share.embedded import EmbeddedKafka
 
@@ -322,11 +379,13 @@ def run(agents: int, slots: int, partitions: int, batches: int, placement: str =
         try:
             hello = _line(tracker, 120)
             sims = _child("agents", ["--agents", str(agents), "--partitions", str(partitions), "--placement", placement,
-                                     "--seed", str(seed), "--concurrency", str(concurrency)])
+                                     "--seed", str(seed), "--concurrency", str(concurrency),
+                                     "--rows-per-slot", str(rows_per_slot)])
             _send(sims, hello)
             ready = _line(sims, 600)
             assert ready["ready"] == agents, ready
             out = []
+            rejected = None
             for n in range(batches + 1):  # one more: it acknowledges the last
                 _send(tracker, {"batch": n})
                 planned = _line(tracker, 600)
@@ -336,9 +395,14 @@ def run(agents: int, slots: int, partitions: int, batches: int, placement: str =
                 read = _line(sims, 600)
                 if read["errors"]:
                     raise AssertionError(f"batch {n}: {read['errors']}")
-                row = {**planned, **{k: read[k] for k in ("members", "mostMembers")},
+                row = {**planned, **{k: read[k] for k in ("members", "mostMembers", "verdictsReceived")},
                        "claimP50Ms": statistics.median(read["claimMs"]), "claimMaxMs": max(read["claimMs"]),
                        "acquiredP50Ms": statistics.median(read["acquiredMs"]), "acquiredMaxMs": max(read["acquiredMs"])}
+                if rejects and n == 1:  # the second batch: its foreachBatch rejects rows
+                    rejected = reject_rows(hello, 1, planned["slots"], partitions, rows_per_slot, rejects)
+                    rejected["trackerRssBeforeMb"] = row["rssMb"]
+                if rejected is not None and n == 3:  # batch 1 was acknowledged by batch 2's planning
+                    rejected.update(trackerRssAfterMb=row["rssMb"], received=read["verdictsReceived"])
                 row.pop("slots")
                 out.append(row)
                 if progress is not None:
@@ -358,7 +422,7 @@ def run(agents: int, slots: int, partitions: int, batches: int, placement: str =
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait(10)
-    return SimResult(out[1:], final, max(b["mostMembers"] for b in out), out[-1]["memberLimit"])
+    return SimResult(out[1:], final, max(b["mostMembers"] for b in out), out[-1]["memberLimit"], rejected)
 
 
 def main(argv: list[str]) -> int:
@@ -372,6 +436,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--placement", choices=["sticky", "random"], default="sticky")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--concurrency", type=int, default=64, help="read tasks under way at once (Spark's task slots)")
+    ap.add_argument("--rows-per-slot", type=int, default=RECORDS_PER_SLOT)
+    ap.add_argument("--rejects", type=int, default=0, help="reject() this many rows of the second batch")
     args = ap.parse_args(argv)
     if args.mode == "tracker":
         tracker_main(args)
@@ -379,8 +445,10 @@ def main(argv: list[str]) -> int:
         agents_main(args)
     else:
         r = run(args.agents, args.slots, args.partitions, args.batches, args.placement, args.seed, args.concurrency,
-                progress=lambda row: print(json.dumps(row), flush=True))
-        print(json.dumps({"final": r.final, "mostMembers": r.most_members, "memberLimit": r.member_limit}))
+                progress=lambda row: print(json.dumps(row), flush=True), rows_per_slot=args.rows_per_slot,
+                rejects=args.rejects)
+        print(json.dumps({"final": r.final, "mostMembers": r.most_members, "memberLimit": r.member_limit,
+                          "rejects": r.rejects}))
     return 0
 
 

@@ -1,0 +1,119 @@
+"""The driver side at cluster sizes this machine cannot hold: the real tracker, driven through its real
+protocol on real TLS sockets by simulated agents (tests/harness/scale_sim.py), at 10, 100 and 500 agents
+x 8 read slots, on a 10,000-partition topic, for many batches; then two million rejects in one batch.
+
+    .venv/bin/python benchmarks/scale.py                       # 10/100/500 agents, 1,000 batches each
+    .venv/bin/python benchmarks/scale.py --batches 50 --agents 10,100 --out /tmp/scale
+
+Per size, per batch (the first batches, while connections and caches warm up, are left out):
+
+- ``tracker adds``: what the batch waits for the tracker: ``latestOffset`` + ``partitions`` (Spark calls
+  them in turn before the batch's tasks start) + one read's Claim and Acquired round trips (each read task
+  waits for both, before and after its poll); the median over the batch's reads, then over batches;
+- the tracker process's CPU per batch (every request it served for that batch, its acknowledgements, its
+  watermark thread), its threads, its memory (RSS: at the start, the end, and the slope per 100 batches
+  after the warm-up), the bytes it sent per batch;
+- the group's members: at most numPartitions at any time (the agents' process counts every consumer);
+- with ``--rejects``: a reject() of that many rows of one batch, sent as the user's process sends it (Arrow
+  chunks over TLS): chunks and bytes, the tracker's time to check and keep them, its memory before and
+  after, and the verdicts every agent received (each only those on records it holds).
+
+Writes ``results.json`` and ``scale.md`` (the table of docs/performance.md) to ``--out``. Not part of the
+test run; the sizes' small versions are in tests/integration/test_scale_sim.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from harness import scale_sim  # noqa: E402
+
+WARMUP = 20  # batches left out of the figures (connections, caches, the ledger reaching its steady size)
+
+
+def summarize(r: scale_sim.SimResult, agents: int, slots: int) -> dict:
+    rows = r.batches[WARMUP:] if len(r.batches) > 2 * WARMUP else r.batches
+    adds = [b["latestOffsetMs"] + b["partitionsMs"] + b["claimP50Ms"] + b["acquiredP50Ms"] for b in rows]
+    rss = [b["rssMb"] for b in rows]
+    slope = 0.0
+    if len(rss) > 10:
+        n = len(rss)
+        mean_x, mean_y = (n - 1) / 2, statistics.fmean(rss)
+        slope = sum((i - mean_x) * (y - mean_y) for i, y in enumerate(rss)) / sum((i - mean_x) ** 2 for i in range(n))
+    return {"agents": agents, "slotsPerAgent": slots, "slots": agents * slots, "batches": len(r.batches),
+            "trackerAddsMsMedian": round(statistics.median(adds), 1),
+            "trackerAddsMsP95": round(sorted(adds)[int(0.95 * (len(adds) - 1))], 1),
+            "latestOffsetMsMedian": round(statistics.median(b["latestOffsetMs"] for b in rows), 1),
+            "claimRttMsMedian": round(statistics.median(b["claimP50Ms"] for b in rows), 1),
+            "acquiredRttMsMedian": round(statistics.median(b["acquiredP50Ms"] for b in rows), 1),
+            "trackerCpuMsPerBatch": round(statistics.median(b["cpuMs"] for b in rows), 1),
+            "threadsMax": max(b["threads"] for b in r.batches),
+            "rssMbStart": rss[0], "rssMbEnd": rss[-1], "rssMbPer100Batches": round(slope * 100, 2),
+            "bytesSentPerBatch": int(statistics.median(b["bytesSent"] for b in rows)),
+            "mostMembers": r.most_members, "memberLimit": r.member_limit,
+            "acked": r.final.get("accepted"), "failed": r.final.get("failed")}
+
+
+def table(sizes: list[dict]) -> str:
+    head = ("| agents x slots | tracker adds per batch, median (p95) | latestOffset | claim / acquired round trip | "
+            "tracker CPU per batch | threads | RSS start -> end (per 100 batches) | sent per batch | members (cap) |")
+    lines = [head, "|" + "---|" * 9]
+    for s in sizes:
+        lines.append(f"| {s['agents']} x {s['slotsPerAgent']} | {s['trackerAddsMsMedian']} ms ({s['trackerAddsMsP95']}) | "
+                     f"{s['latestOffsetMsMedian']} ms | {s['claimRttMsMedian']} / {s['acquiredRttMsMedian']} ms | "
+                     f"{s['trackerCpuMsPerBatch']} ms | {s['threadsMax']} | {s['rssMbStart']} -> {s['rssMbEnd']} MB "
+                     f"({s['rssMbPer100Batches']:+.2f}) | {s['bytesSentPerBatch'] / 1024:.0f} KB | "
+                     f"{s['mostMembers']} ({s['memberLimit']}) |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--agents", default="10,100,500", help="agent counts, comma-separated")
+    ap.add_argument("--slots", type=int, default=8, help="read slots per agent")
+    ap.add_argument("--partitions", type=int, default=10_000)
+    ap.add_argument("--batches", type=int, default=1000)
+    ap.add_argument("--placement", choices=["sticky", "random"], default="sticky")
+    ap.add_argument("--rejects", type=int, default=2_000_000, help="rows reject()ed in one batch (0: none)")
+    ap.add_argument("--out", default="docs/results/scale")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    sizes = []
+    for agents in (int(a) for a in args.agents.split(",")):
+        t0 = time.monotonic()
+        r = scale_sim.run(agents, args.slots, args.partitions, args.batches, args.placement,
+                          concurrency=min(4 * agents, 256))
+        s = summarize(r, agents, args.slots)
+        s["wallS"] = round(time.monotonic() - t0)
+        sizes.append(s)
+        print(json.dumps(s), flush=True)
+    rejects = None
+    if args.rejects:
+        agents = max(int(a) for a in args.agents.split(","))
+        rows = -(-args.rejects // (agents * args.slots))
+        r = scale_sim.run(agents, args.slots, args.partitions, 4, args.placement, concurrency=min(4 * agents, 256),
+                          rows_per_slot=rows, rejects=args.rejects)
+        rejects = {**(r.rejects or {}), "agents": agents, "rowsPerSlot": rows, "rejected": r.final.get("rejected")}
+        print(json.dumps({"rejects": rejects}), flush=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"sizes": sizes, "rejects": rejects, "partitions": args.partitions, "placement": args.placement},
+                  f, indent=1)
+    text = table(sizes)
+    if rejects:
+        text += (f"\n\n{rejects['rows']:,} rejects in one batch of {rejects['agents']} agents: {rejects['chunks']} chunks, "
+                 f"{rejects['bytes'] / 1e6:.1f} MB from the user's process; the tracker checked and kept them in "
+                 f"{rejects['trackerMs']:.0f} ms, its memory {rejects['trackerRssBeforeMb']} -> "
+                 f"{rejects['trackerRssAfterMb']} MB; the agents received {rejects['received']:,} verdicts in all.")
+    with open(os.path.join(args.out, "scale.md"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,51 @@
+"""The driver side at more hosts than this machine has, by simulation (tests/harness/scale_sim.py: the real
+tracker, its real protocol on real TLS sockets, simulated agents): the small sizes that CI runs; the full
+sizes (500 agents x 8 slots, 10,000 partitions, 1,000 batches) are benchmarks/scale.py's."""
+from __future__ import annotations
+
+import pytest
+
+from harness import scale_sim
+
+pytestmark = pytest.mark.slow
+
+
+def test_threads_do_not_grow_with_agents_and_every_batch_is_acknowledged():
+    """The tracker serves every agent on one wire loop and a bounded handler pool: four times the agents,
+    the same threads. Every batch's acknowledgements are answered, and the group's members are the
+    slots, never more."""
+    small = scale_sim.run(agents=10, slots=4, partitions=2000, batches=12)
+    large = scale_sim.run(agents=40, slots=4, partitions=2000, batches=12)
+    for r, slots in ((small, 40), (large, 160)):
+        print(f"{slots} slots: threads {max(b['threads'] for b in r.batches)}, CPU per batch "
+              f"{sorted(b['cpuMs'] for b in r.batches)[len(r.batches) // 2]} ms, latestOffset "
+              f"{sorted(b['latestOffsetMs'] for b in r.batches)[len(r.batches) // 2]} ms, members {r.most_members}")
+        assert r.most_members <= r.member_limit == slots
+        assert r.final["failed"] == 0 and r.final["accepted"] == 12 * slots * scale_sim.RECORDS_PER_SLOT
+        assert all(b["acked"] and b["acked"]["failed"] == 0 for b in r.batches[1:])
+    small_threads = max(b["threads"] for b in small.batches)
+    large_threads = max(b["threads"] for b in large.batches)
+    assert large_threads <= small_threads + 4, (small_threads, large_threads)
+    assert large_threads <= 64
+
+
+def test_members_move_to_where_reads_land_and_never_pass_the_cap():
+    """Spark places a batch's tasks anywhere: with random placement, a read that finds no free consumer on
+    its host gets one only after another host closed one it did not use in that batch. The agents'
+    process counts every consumer it opens and closes: never more than numPartitions at once."""
+    r = scale_sim.run(agents=12, slots=4, partitions=500, batches=15, placement="random", seed=7)
+    moved = r.batches[-1]["members"]
+    print(f"random placement: at most {r.most_members} members for a cap of {r.member_limit}; {moved} at the end")
+    assert r.most_members <= r.member_limit == 48
+    assert r.final["failed"] == 0
+
+
+def test_rejects_reach_only_the_agents_that_hold_them_in_small_frames():
+    """A reject() of 200,000 rows crosses in chunks (no frame near a bound), the tracker checks every row
+    against what the batch acquired, and each agent is sent only the verdicts on records it holds (the
+    simulated agent refuses any other): they add up to the rejects, once each."""
+    n = 200_000
+    r = scale_sim.run(agents=10, slots=4, partitions=500, batches=4, rows_per_slot=n // 40, rejects=n)
+    print(f"{n} rejects: {r.rejects}")
+    assert r.rejects["received"] == n and r.final["rejected"] == n
+    assert r.rejects["chunks"] >= 1 and r.rejects["bytes"] / r.rejects["chunks"] < 8 << 20
