@@ -69,6 +69,14 @@ class BatchState:
             mine.setdefault(a["agent"], []).append(a)
         return {agent: runs_of(slots) for agent, slots in mine.items()}
 
+    def slim(self) -> None:
+        """An acknowledged batch kept for status(): its counts and times, not its offsets, verdicts or
+        grants (at 4,000 slots a batch's offsets are megabytes, and twenty are kept)."""
+        for a in self.acquired.values():
+            a["offsets"] = {}
+        self.verdicts = VerdictSet()
+        self.granted.clear()
+
     def rows_held_by(self, agent_id: str) -> int:
         return sum(a["rows"] for a in self.acquired.values() if a["agent"] == agent_id)
 

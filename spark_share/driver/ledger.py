@@ -253,6 +253,8 @@ class BatchLedger:
             done = sorted(n for n, x in self.batches.items() if x.state in FINISHED)
             for n in done[:-KEEP_FINISHED]:
                 del self.batches[n]
+            for n in done[-KEEP_FINISHED:-2]:  # the last two stay whole: the policy reads the latest's offsets
+                self.batches[n].slim()
             self._acked.notify_all()
 
     # what progress and status() show -----------------------------------------------------------

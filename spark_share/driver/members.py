@@ -37,13 +37,18 @@ class AgentMembers:
 
 
 class MemberBook:
+    """Counts members by the events the tracker itself sees, never by an agent's report of its total (two
+    reads of one agent report out of order: a total sent before a member opened, arriving after, would
+    undercount and let the cap be passed): an agent joins with the consumers the tracker told it to start,
+    a granted member is a lease until the read that opened it says so, a consumer an agent closes is one
+    the tracker asked it to close (its answer says how many), a refused one is dropped."""
+
     def __init__(self, cap: int):
         self.cap = cap
         self.wanted = cap  # what the query asked for (numPartitions), for the refusal's message
         self.agents: dict[str, AgentMembers] = {}
         self.leases: dict[tuple[int, int], str] = {}  # (batch, slot) -> agent granted a new member
         self.refused = 0  # members the group refused (group.share.max.size)
-        self.refusal: str | None = None
 
     @property
     def total(self) -> int:
@@ -57,25 +62,32 @@ class MemberBook:
         for key in [k for k, a in self.leases.items() if a == agent]:
             del self.leases[key]
 
-    def reported(self, agent: str, members: int, batch: int | None = None, slot: int | None = None,
-                 session: str | None = None) -> None:
-        """An agent's member count, after a read of (batch, slot) (its lease, if it had one, is now a member)."""
+    def read(self, agent: str, batch: int, slot: int, session: str | None, opened: bool) -> None:
+        """A read of (batch, slot) on ``agent`` polled with ``session``, which it ``opened`` on a lease."""
         a = self.agents.get(agent)
         if a is None:
             return
-        a.members = members
-        if batch is not None:
-            self.leases.pop((batch, slot), None)  # type: ignore[arg-type]
-            if session:
-                a.used.setdefault(batch, set()).add(session)
-                for old in [b for b in a.used if b < batch - 4 * IDLE_BATCHES]:
-                    del a.used[old]
+        if opened and self.leases.pop((batch, slot), None) is not None:
+            a.members += 1
+        if session:
+            a.used.setdefault(batch, set()).add(session)
+            for old in [b for b in a.used if b < batch - 4 * IDLE_BATCHES]:
+                del a.used[old]
+
+    def closed(self, agent: str, n: int) -> None:
+        """``agent`` closed ``n`` consumers the tracker asked it to close."""
+        a = self.agents.get(agent)
+        if a is not None:
+            a.members = max(0, a.members - n)
 
     def settled(self, batch: int) -> None:
-        """``batch`` is acknowledged: a member leased to one of its reads that never reported (the read
-        failed) is no longer counted."""
+        """``batch`` is acknowledged: a member leased to one of its reads that never said whether it opened
+        it (the read failed) counts as a member from now on (counting one too many keeps the cap; the
+        agent's next answer to a Trim says how many it has)."""
         for key in [k for k in self.leases if k[0] <= batch]:
-            del self.leases[key]
+            a = self.agents.get(self.leases.pop(key))
+            if a is not None:
+                a.members += 1
 
     def claimed(self, agent: str, batch: int) -> None:
         a = self.agents.get(agent)
@@ -84,7 +96,7 @@ class MemberBook:
 
     def may_open(self, agent: str, batch: int, slot: int) -> bool:
         """A read of (batch, slot) on ``agent`` found no free member: may it open one now? If so the
-        member is leased to it until the agent reports it."""
+        member is leased to it until the read says it opened it."""
         if self.total < self.cap:
             self.leases[(batch, slot)] = agent
             return True
@@ -109,13 +121,14 @@ class MemberBook:
                 out.append(name)
         return out
 
-    def refuse(self, agent: str, batch: int, slot: int, members: int) -> bool:
-        """The group refused the member a read of (batch, slot) on ``agent`` opened: the cap becomes what
-        the group admitted. False when it admitted none of this query's members at all."""
-        self.leases.pop((batch, slot), None)
-        a = self.agents.get(agent)
-        if a is not None:
-            a.members = members
+    def refuse(self, agent: str, batch: int, slot: int) -> bool:
+        """The group refused the member a read of (batch, slot) on ``agent`` polled with (one it opened on a
+        lease, or one it started when it joined): the agent dropped it, and the cap becomes what the group
+        admitted. False when it admitted none of this query's members at all."""
+        if self.leases.pop((batch, slot), None) is None:
+            a = self.agents.get(agent)
+            if a is not None:
+                a.members = max(0, a.members - 1)
         self.refused += 1
         if not self.total:
             return False

@@ -258,7 +258,7 @@ class Tracker:
                 log.debug("agent %s did not give up a member: %s", victim, e)
                 continue
             with self.ledger.lock:
-                self.members.reported(victim, int(rep["members"]))
+                self.members.closed(victim, int(rep["closed"]))
                 if self.members.may_open(agent_id, batch, slot):
                     log.info("batch %d slot %d: a share consumer moves from agent %s to agent %s (the query's members "
                              "are capped at %d)", batch, slot, victim, agent_id, self.members.cap)
@@ -274,7 +274,7 @@ class Tracker:
             if m.refused:
                 self._member_refused(agent_id, m)
             else:
-                self.members.reported(agent_id, m.members, m.batch, m.slot, m.session)
+                self.members.read(agent_id, m.batch, m.slot, m.session, m.opened)
         return {"ok": True}
 
     def _member_refused(self, agent_id: str, m: Acquired) -> None:
@@ -283,7 +283,7 @@ class Tracker:
         with the ledger's lock held."""
         before = self.members.cap
         group = self.opts.group_id
-        if not self.members.refuse(agent_id, m.batch, m.slot, m.members):
+        if not self.members.refuse(agent_id, m.batch, m.slot):
             if not self.failure:
                 self.failure = (f"share group {group!r} refused this query's share consumers: it has reached the "
                                 "broker's group.share.max.size (the most members a share group may have; 200 by "
@@ -462,7 +462,7 @@ class Tracker:
             except Exception:  # gone or slow: asked again after a while
                 continue
             with self.ledger.lock:
-                self.members.reported(a, int(rep["members"]))
+                self.members.closed(a, int(rep["closed"]))
 
     # progress -----------------------------------------------------------------------------
     def _estimate_backlog(self) -> None:

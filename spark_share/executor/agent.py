@@ -182,13 +182,14 @@ class Agent:
             if granted == 0:  # the batch's cap went to reads whose sessions carry records: acquire nothing
                 return self._read_nothing(batch, slot, spark_batch, query_id, key)
             session, polled = self.pool.reserve(batch, max_records)
+            opened = False
             if session is None:
                 # No consumer is free here: the query's members are capped, so the tracker says whether a
                 # new one may join (another host may first close one it did not use in this batch).
                 member, _ = call(self.tracker, Member(batch, slot), timeout=60)
                 if not member["open"]:  # the query has all the members it may have, all in use elsewhere
                     return self._read_nothing(batch, slot, spark_batch, query_id, key)
-                session = self.pool.open(batch, max_records)
+                session, opened = self.pool.open(batch, max_records), True
             taken, session = session, None  # from here on, the read owns it
             try:
                 if polled is None:
@@ -214,7 +215,8 @@ class Agent:
                     offsets={t: {str(p): runs for p, runs in parts.items()} for t, parts in acquired.items()},
                     poison=poison, redelivered=_redelivered(rb), spark_batch=spark_batch,
                     members=len(self.pool), timed_out=holding.timed_out, carried=session.carrying,
-                    convert_ms=round(convert_ms, 1), answered=[[t, p] for t, p in sorted(holding.answered)]),
+                    convert_ms=round(convert_ms, 1), answered=[[t, p] for t, p in sorted(holding.answered)],
+                    opened=opened),
                     timeout=60)
             except BaseException:
                 if rb.num_rows:

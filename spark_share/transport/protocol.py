@@ -101,7 +101,8 @@ class Acquired(Message):
     poison: list[list] = field(default_factory=list)  # [topic, partition, offset, deliveryCount]
     redelivered: int = 0
     spark_batch: int | None = None
-    members: int = 0  # the share consumers (group members) the reporting agent has
+    members: int = 0  # the share consumers (group members) the reporting agent has, for its log
+    opened: bool = False  # the read started the consumer it polled with (a member the tracker granted)
     timed_out: bool = False  # nothing acquired because the poll ran out of time, not because the queue was empty
     carried: int = 0  # records the session acquired beyond this slot's size: its next poll's records
     convert_ms: float = 0.0  # the agent's work on these rows: messages -> Arrow -> IPC

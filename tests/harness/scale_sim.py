@@ -139,6 +139,7 @@ class Members:
         self.lock = threading.Lock()
         self.now = 0
         self.most = 0
+        self.closed = 0  # consumers the tracker asked agents to close (moved to another host, or idle)
 
     def change(self, n: int) -> None:
         with self.lock:
@@ -193,10 +194,11 @@ class SimAgent:
             session = free[0] if free else None
             if session is not None:
                 self.sessions[session] = batch
+        opened = session is None
         if session is None:
             member, _ = call(self.conn, Member(batch, slot), timeout=120)
             if not member["open"]:
-                call(self.conn, Acquired(batch, slot, rows=0, members=len(self.sessions)), timeout=120)
+                call(self.conn, Acquired(batch, slot, rows=0), timeout=120)
                 return (t1 - t0) * 1000, 0.0
             with self.lock:
                 session = self._open(batch)
@@ -206,7 +208,7 @@ class SimAgent:
         offsets = {TOPIC: {str(p): [[first, first + rows - 1]]}}
         t2 = time.perf_counter()
         call(self.conn, Acquired(batch, slot, rows=rows, session=session, acquired_at=time.time(), offsets=offsets,
-                                 members=len(self.sessions), spark_batch=batch), timeout=120)
+                                 spark_batch=batch, opened=opened), timeout=120)
         t3 = time.perf_counter()
         with self.lock:
             self.held.setdefault(batch, {})[slot] = (session, rows)
@@ -247,6 +249,8 @@ class SimAgent:
             for s in idle:
                 del self.sessions[s]
             self.members.change(-len(idle))
+            with self.members.lock:
+                self.members.closed += len(idle)
             return {"closed": len(idle), "members": len(self.sessions)}
 
     def _on_prefetch(self, conn, m) -> dict:
@@ -292,7 +296,8 @@ def agents_main(args) -> None:
         print(json.dumps({"batch": cmd["batch"], "claimMs": [round(c, 2) for c, _ in rtts],
                           "acquiredMs": [round(a, 2) for _, a in rtts], "errors": errors[:5],
                           "members": members.now, "mostMembers": members.most,
-                          "verdictsReceived": sum(a.verdicts_received for a in agents)}), flush=True)
+                          "verdictsReceived": sum(a.verdicts_received for a in agents),
+                          "closed": members.closed}), flush=True)
     for a in agents:
         a.conn.close()
 
@@ -395,7 +400,7 @@ def run(agents: int, slots: int, partitions: int, batches: int, placement: str =
                 read = _line(sims, 600)
                 if read["errors"]:
                     raise AssertionError(f"batch {n}: {read['errors']}")
-                row = {**planned, **{k: read[k] for k in ("members", "mostMembers", "verdictsReceived")},
+                row = {**planned, **{k: read[k] for k in ("members", "mostMembers", "verdictsReceived", "closed")},
                        "claimP50Ms": statistics.median(read["claimMs"]), "claimMaxMs": max(read["claimMs"]),
                        "acquiredP50Ms": statistics.median(read["acquiredMs"]), "acquiredMaxMs": max(read["acquiredMs"])}
                 if rejects and n == 1:  # the second batch: its foreachBatch rejects rows

@@ -18,7 +18,7 @@ def test_a_read_may_open_a_member_only_within_the_cap_and_its_lease_counts_until
     b = book(3, a=1, b=1)
     assert b.may_open("a", batch=0, slot=2) and b.total == 3, "the lease counts at once"
     assert not b.may_open("b", batch=0, slot=3), "a second read past the cap must wait for a member to move"
-    b.reported("a", 2, batch=0, slot=2, session="a-2")  # the lease became a member
+    b.read("a", batch=0, slot=2, session="a-2", opened=True)  # the lease became a member
     assert b.total == 3 and b.leases == {}
     assert not b.may_open("b", batch=1, slot=0)
 
@@ -30,8 +30,8 @@ def test_members_move_from_agents_that_did_not_use_them_in_this_batch_least_rece
     b.claimed("c", 4)
     clock[0] += 1
     b.claimed("a", 5)
-    b.reported("a", 2, batch=5, slot=0, session="a-1")
-    b.reported("b", 1, batch=5, slot=1, session="b-1")
+    b.read("a", batch=5, slot=0, session="a-1", opened=False)
+    b.read("b", batch=5, slot=1, session="b-1", opened=False)
     # In batch 5: b used its only member, a one of two, c none (it last read in batch 4).
     assert b.movable("d", 5) == ["c", "a"]
     assert b.movable("c", 5) == ["a"], "never the asking agent itself"
@@ -42,36 +42,48 @@ def test_an_agent_whose_members_no_read_used_lately_is_asked_to_close_them_at_mo
     monkeypatch.setattr(members_module.time, "monotonic", lambda: clock[0])
     b = book(8, a=2, b=1)
     for batch in range(10):
-        b.reported("a", 2, batch=batch, slot=0, session="a-1")  # a uses one of its two every batch
-        b.reported("b", 1, batch=batch, slot=1, session="b-1")
+        b.read("a", batch=batch, slot=0, session="a-1", opened=False)  # a uses one of its two every batch
+        b.read("b", batch=batch, slot=1, session="b-1", opened=False)
     assert b.idle(9, idle_s=10) == ["a"]
     clock[0] += 4
     assert b.idle(10, idle_s=10) == [], "asked again within idle_s / 2"
     clock[0] += 2
-    b.reported("b", 1)  # b's member stops being used: after IDLE_BATCHES batches it is idle
-    for batch in range(10, 10 + IDLE_BATCHES):
-        b.reported("a", 2, batch=batch, slot=0, session="a-1")
+    for batch in range(10, 10 + IDLE_BATCHES):  # b's member stops being used: after IDLE_BATCHES it is idle
+        b.read("a", batch=batch, slot=0, session="a-1", opened=False)
     assert b.idle(10 + IDLE_BATCHES, idle_s=10) == ["a", "b"]
 
 
 def test_a_refused_member_lowers_the_cap_to_what_the_group_admitted():
     b = book(4, a=1, b=1)
     assert b.may_open("a", 0, 2) and b.may_open("b", 0, 3) and b.total == 4
-    assert b.refuse("b", 0, 3, members=1) and b.cap == 3 and b.refused == 1
-    b.reported("a", 2, batch=0, slot=2, session="a-2")
+    assert b.refuse("b", 0, 3) and b.cap == 3 and b.refused == 1
+    b.read("a", batch=0, slot=2, session="a-2", opened=True)
     assert b.total == 3 == b.cap and not b.may_open("a", 1, 0)
     nothing = book(2, a=1)
-    assert not nothing.refuse("a", 0, 0, members=0), "the group admitted none of this query's members"
+    assert not nothing.refuse("a", 0, 0), "the group admitted none of this query's members (its one refused)"
     assert nothing.cap == 2
 
 
-def test_a_lease_of_a_read_that_never_reported_is_dropped_once_its_batch_is_acknowledged():
-    b = book(2, a=1)
+def test_a_lease_of_a_read_that_never_reported_counts_as_a_member_once_its_batch_is_acknowledged():
+    """Counting one too many keeps the cap; the agent's next answer to a Trim corrects it."""
+    b = book(3, a=1)
     assert b.may_open("a", 3, 1)
     b.settled(2)
-    assert b.total == 2
+    assert b.total == 2 and b.leases
     b.settled(3)
-    assert b.total == 1 and b.may_open("a", 4, 0)
+    assert b.total == 2 and not b.leases and b.agents["a"].members == 2
+    b.closed("a", 1)
+    assert b.total == 1
+
+
+def test_out_of_order_reports_of_one_agent_never_undercount():
+    """Two reads of one agent: the one that opened a member reports first, the other (its report made
+    before the member opened) after. Counting by events, the total stays right: no second lease."""
+    b = book(2, a=1)
+    assert b.may_open("a", 0, 1)
+    b.read("a", 0, 1, "a-2", opened=True)
+    b.read("a", 0, 0, "a-1", opened=False)
+    assert b.total == 2 and not b.may_open("a", 0, 2)
 
 
 @pytest.mark.parametrize("hosts", [3, 500])

@@ -106,8 +106,8 @@ def test_hosts_count_agents_members_and_slots(roster):
     for conn, (agent, host) in zip((a, b, c), [("a1", "h1"), ("a2", "h1"), ("a3", "h2")]):
         roster.joined(conn, Hello(agent, host, 1), latest=None)
     assert roster.members.total == 6, "one host (local mode): each joined with both slots' consumers"
-    roster.members.reported("a2", 0)  # as a read's Acquired reports them
-    roster.members.reported("a3", 1)
+    roster.members.closed("a2", 2)  # as their answers to a Trim say
+    roster.members.closed("a3", 1)
     assert roster.hosts(["a1", "a3", "a3"]) == {"h1": {"agents": 2, "members": 2, "slots": 1},
                                                 "h2": {"agents": 1, "members": 1, "slots": 2}}
     roster.left(b, stopping=False)
