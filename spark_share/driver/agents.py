@@ -70,7 +70,8 @@ class AgentRoster:
         return {"max_poll_records": self.policy.poll_size(latest), "topics": list(o.topics),
                 "include_headers": o.include_headers, "slots": slots, "dead_letter": o.dead_letter,
                 "dead_letter_topic": o.dead_letter_topic, "dead_letter_path": o.dead_letter_path,
-                "max_delivery_count": o.max_delivery_count, "dead_after_s": self.policy.dead_after_s}
+                "max_delivery_count": o.max_delivery_count, "dead_after_s": self.policy.dead_after_s,
+                "partitions": self.policy.partitions}
 
     def left(self, conn: wire.RpcConnection, stopping: bool) -> None:
         agent_id = conn.info.get("agent_id")

@@ -59,6 +59,7 @@ from ..transport.protocol import (
 from ..verdict_set import VerdictSet
 from . import records
 from .pool import SessionPool, poll_budget
+from .session_stats import stats_interval_ms
 
 if TYPE_CHECKING:
     from .session import ShareSession
@@ -109,6 +110,7 @@ class Agent:
         self.config = hello
         self.tracker.set_keepalive(float(hello["dead_after_s"]))  # a tracker gone silent is a tracker gone
         self._consumer_config = sized(consumer_config, hello.get("max_poll_records"))
+        self._consumer_config.setdefault("statistics.interval.ms", str(stats_interval_ms(int(hello["partitions"]))))
         self._producer_config = producer_config
         # Dead letters carry the original headers even when the query does not read them.
         self._keep_headers = bool(hello["include_headers"] or hello.get("dead_letter"))

@@ -84,6 +84,9 @@ class ShareSession:
         self._queue: queue.Queue[tuple[Callable, Future] | None] = queue.Queue()
         self._closed = False
         self.max_poll_records = int(conf.get("max.poll.records", 500))
+        # An empty poll waits past its timeout this long at most for the statistics that say a fetch was
+        # answered empty (a drain needs that answer: see Holding.answered): a few statistics intervals.
+        self._answer_wait_s = max(0.5, 3 * int(conf.get("statistics.interval.ms", STATS_INTERVAL_MS)) / 1000.0)
         self._fetch_stats = FetchStats()
         self._idle_serve_s = idle_serve_s
         self._join_wait_s = join_wait_s
@@ -296,8 +299,10 @@ class ShareSession:
                 rejoining = True
                 continue
             now = time.monotonic()
-            if msgs or (now >= deadline and (self._fetch_stats.steady or now >= joined_by
-                                             or self._held_elsewhere(self) > JOIN_GRACE_S)):
+            if msgs:
+                return msgs, None
+            if now >= deadline and (now >= deadline + self._answer_wait_s if self._fetch_stats.steady
+                                    else now >= joined_by or self._held_elsewhere(self) > JOIN_GRACE_S):
                 return msgs, None
             if self._failures.failure:  # the broker refused this consumer: say so, not "no records"
                 raise SourceError(self._failures.failure)

@@ -131,3 +131,48 @@ def test_a_drain_says_which_partitions_it_left_when_no_poll_of_its_own_is_given_
     assert took >= 6, f"the drain ended after {took:.1f} s, before its bound"
     warning = next((line for line in run.log.splitlines() if "the drain ends with" in line), "")
     assert "WARNING" in warning and left[0] in warning, run.log[-3000:]
+
+
+def test_a_drain_of_two_thousand_partitions_reads_every_record_once(spark, kafka, tmp_path):
+    """Thousands of partitions: every record read once, the progress each batch reports stays small (Spark
+    logs every report), and the time is measured against the same records on 8 partitions."""
+    took, progress = {}, {}
+    for run, partitions in enumerate((8, 2000, 8)):  # the first run pays for Spark's first jobs: not counted
+        w = Workload(kafka, f"wide-{run}-{partitions}", partitions=partitions)
+        w.produce(8000)
+        collector = BatchCollector()
+        t0 = time.monotonic()
+        q = spark_share.drain(read_stream(spark, kafka, kafka.group(gid()), w.topic).writeStream
+                              .foreachBatch(collector).option("checkpointLocation", str(tmp_path / f"ck{run}")))
+        assert q.awaitTermination(300), f"the drain of {partitions} partitions did not end"
+        took[partitions] = time.monotonic() - t0
+        assert q.exception() is None, q.exception()
+        report = check_no_loss(w.ids, collector.ids)
+        assert report.duplicates == 0, report
+        progress[partitions] = max(len(json.dumps(p["sources"][0]["latestOffset"])) for p in q.recentProgress)
+    print(f"8,000 records: {took[8]:.1f} s on 8 partitions, {took[2000]:.1f} s on 2,000 "
+          f"({took[2000] / took[8]:.1f}x); progress reports at most {progress[8]} and {progress[2000]} bytes")
+    assert progress[2000] < 16 << 10, f"a progress report of {progress[2000]} bytes"
+
+
+def test_the_progress_stays_small_at_ten_thousand_partitions_and_status_has_them_all(kafka):
+    """Every progress report carried the whole per-partition backlog (185 KB at 2,000 partitions on real
+    Kafka): now the totals and the partitions with the most backlog; status() has every partition."""
+    from spark_share.driver.tracker import Tracker
+    from spark_share.options import parse_options
+
+    topic = kafka.create_topic("ten-thousand", 10_000)
+    w = Workload(kafka, topic, partitions=10_000, create=False)
+    w.produce(20_000)
+    t = Tracker(parse_options(source_options(kafka, kafka.group(gid()), topic)))
+    try:
+        t.policy.max_seen.update({(topic, p): 0 for p in range(10_000)})  # as if each was read once
+        t.metadata.refresh()
+        t._estimate_backlog()
+        progress, status = json.dumps(t.progress()), t.status()
+    finally:
+        t.shutdown()
+    print(f"10,000 partitions: a progress report of {len(progress)} bytes; status() names {len(status['backlog'])}")
+    assert len(progress) < 16 << 10
+    assert len(status["backlog"]) == 10_000 and status["backlogEstimate"] == 20_000 - 10_000
+    assert len(json.loads(progress)["backlogTop"]) == 10
