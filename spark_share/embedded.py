@@ -68,6 +68,7 @@ _SIGNATURES = {
     "rd_kafka_mock_sharegroup_set_session_timeout": ([ctypes.c_void_p, ctypes.c_int], None),
     "rd_kafka_mock_sharegroup_set_heartbeat_interval": ([ctypes.c_void_p, ctypes.c_int], None),
     "rd_kafka_mock_sharegroup_set_max_record_locks": ([ctypes.c_void_p, ctypes.c_int], None),
+    "rd_kafka_mock_sharegroup_set_max_size": ([ctypes.c_void_p, ctypes.c_int], None),
     "rd_kafka_mock_push_request_errors_array": ([ctypes.c_void_p, ctypes.c_int16, ctypes.c_size_t, ctypes.POINTER(ctypes.c_int)], None),
     "rd_kafka_mock_partition_push_request_errors": ([ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int32, ctypes.c_int16, ctypes.c_size_t], None),
     "rd_kafka_mock_broker_push_request_error_rtts": ([ctypes.c_void_p, ctypes.c_int32, ctypes.c_int16, ctypes.c_size_t], ctypes.c_int),
@@ -219,6 +220,11 @@ class EmbeddedKafka:
 
     def set_heartbeat_interval(self, ms: int) -> None:
         self._lib.rd_kafka_mock_sharegroup_set_heartbeat_interval(self._cluster(), int(ms))
+
+    def set_max_members(self, members: int) -> None:
+        """Members a share group may have (Kafka's group.share.max.size, 200 by default; 0: no limit): a
+        consumer joining a full group gets GROUP_MAX_SIZE_REACHED, a fatal error, as on Kafka."""
+        self._lib.rd_kafka_mock_sharegroup_set_max_size(self._cluster(), int(members))
 
     # error injection -------------------------------------------------------------------
     @staticmethod

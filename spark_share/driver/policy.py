@@ -46,7 +46,7 @@ GROW_BELOW_FRACTION = 0.5
 RECENT_HOLDS = 20  # batches whose hold times say the lock is at least that long
 # The keepalive between tracker and agents (``dead_after_s``): half the record lock, in these bounds.
 DEAD_AFTER_MIN_S = 5.0
-DEAD_AFTER_MAX_S = 15.0
+DEAD_AFTER_MAX_S = 10.0
 # Kafka's default group.share.partition.max.record.locks: records of a partition the group may have
 # in flight. A batch holds its records until Spark commits it, so this caps a batch.
 DEFAULT_RECORD_LOCKS = 2000
@@ -102,6 +102,9 @@ class BatchPolicy:
         self.answered: set[Partition] = set()
         self.unresolved_since: float | None = None
         self.left_unread: list[Partition] = []
+        # AvailableNow after an earlier run died in a batch: until then its records may still be locked.
+        self.locked_elsewhere_until: float | None = None
+        self.waiting_for_locks = False
         # Set once an AvailableNow run has seen everything: one last batch without tasks acknowledges
         # the previous one and reports the totals in its progress, without an empty poll.
         self.closing = False
@@ -167,7 +170,25 @@ class BatchPolicy:
             return True
         return now - self.last_plan_time >= self.idle_probe_ms / 1000.0
 
+    def earlier_batch_replayed(self, now: float) -> None:
+        """Spark replays a batch an earlier run of the query planned and did not commit: that run stopped
+        in the middle of it. If it died (its driver host lost), the records it held stay locked until their
+        lock expires, then come back: a drain waits for them that long (``_available_now_goes_on``)."""
+        self.locked_elsewhere_until = now + self.lock_ms / 1000.0
+
     def _available_now_goes_on(self, last: BatchState | None, now: float) -> bool:
+        goes_on = self._available_now_decision(last, now)
+        if self.locked_elsewhere_until is None or now >= self.locked_elsewhere_until:
+            return goes_on
+        if not goes_on or self.closing:
+            # It would end, but records the earlier run held may still come back (they are below what this
+            # run read: a full view of the partitions cannot tell): it goes on polling until their lock ends.
+            self.closing = False
+            self.waiting_for_locks = True
+            return True
+        return goes_on
+
+    def _available_now_decision(self, last: BatchState | None, now: float) -> bool:
         if not self.planned_any:
             return True
         if self.closing:

@@ -505,7 +505,8 @@ class Tracker:
                 out["drain"] = {"partitions": len(self.policy.available_now_target),
                                 "unresolved": [f"{t}-{p}" for t, p in unresolved[:20]],
                                 "unresolvedCount": len(unresolved),
-                                "leftUnread": [f"{t}-{p}" for t, p in self.policy.left_unread[:20]]}
+                                "leftUnread": [f"{t}-{p}" for t, p in self.policy.left_unread[:20]],
+                                "waitedForLockedRecords": self.policy.waiting_for_locks}
         return out
 
     # shutdown -----------------------------------------------------------------------------

@@ -241,6 +241,30 @@ def drain_share_group(kafka, group: str, topics: list[str], timeout: float,
     return got
 
 
+class IdleMember:
+    """A share consumer of the group that joins, gets partitions, and then is never polled: what a
+    member of the query on a host where no read task lands looks like to the broker."""
+
+    def __init__(self, kafka, group: str, topic: str):
+        from confluent_kafka import ShareConsumer
+
+        self.stats: dict = {}
+        self.consumer = ShareConsumer({**client_config(kafka), "group.id": group,
+                                       "share.acknowledgement.mode": "explicit", "statistics.interval.ms": 100,
+                                       "stats_cb": lambda s: self.stats.update(json.loads(s))})
+        self.consumer.subscribe([topic])
+        # Polled only until it is a steady member with partitions, while the topic is still empty.
+        wait_until(lambda: not len(self.consumer.poll(0.1)) and self.assigned() > 0, timeout=30,
+                   message="the idle member did not join the group")
+
+    def assigned(self) -> int:
+        cgrp = self.stats.get("cgrp") or {}
+        return cgrp.get("assignment_size", 0) if cgrp.get("join_state") == "steady" else 0
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
 def agent_processes(tracker_id: str | None = None) -> list[psutil.Process]:
     """Live spark-share agents (optionally of one tracker) on this machine."""
     out = []

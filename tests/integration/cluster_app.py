@@ -39,6 +39,7 @@ def main(argv: list[str]) -> int:
                     help="the first attempt to see a row in each batch's count sleeps this long (speculation)")
     ap.add_argument("--fail-first-attempt", type=int, default=None, metavar="BATCH",
                     help="the first attempt to see a row in this batch's count fails (a task retry)")
+    ap.add_argument("--run", type=int, default=0, help="the run's number in its rows (a query restarted elsewhere)")
     ap.add_argument("--crash-after-write", type=int, default=None, metavar="BATCH",
                     help="foreachBatch raises after writing this batch, once; the query restarts from its checkpoint")
     args = ap.parse_args(argv)
@@ -64,7 +65,7 @@ def main(argv: list[str]) -> int:
 
     shared = args.shared
     slow_s = args.slow_first_attempt
-    run = {"n": 0}  # query runs: a crash after the write restarts the query
+    run = {"n": args.run}  # query runs: a crash after the write restarts the query
 
     def attempt_marker(fail: bool):
         def keep(value) -> bool:
@@ -143,7 +144,9 @@ def main(argv: list[str]) -> int:
                 continue
             samples.append({"t": time.time(), "agents": st["agents"], "hosts": st.get("hosts"),
                             "expired": st["expired"], "batch": st["batch"], "relayed": st.get("relayed"),
-                            "acquired": {b.get("sparkBatch", b["batch"]): b["acquired"] for b in st["batches"]}})
+                            "acquired": {b.get("sparkBatch", b["batch"]): b["acquired"] for b in st["batches"]},
+                            "members": st.get("members"), "memberLimit": st.get("memberLimit"),
+                            "membersRefused": st.get("membersRefused")})
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -158,7 +161,7 @@ def main(argv: list[str]) -> int:
                     queries[-1].awaitTermination(600)
                 except Exception:  # the query failed: judged below
                     pass
-                if queries[-1].exception() is None or args.crash_after_write is None or run["n"]:
+                if queries[-1].exception() is None or args.crash_after_write is None or run["n"] > args.run:
                     break
                 run["n"] += 1  # the crash after the write: a new run of the query, from its checkpoint
                 queries.append(start_query())

@@ -68,6 +68,19 @@ def spark():
 
 
 @pytest.fixture(scope="session")
+def namespace_cluster():
+    """A Spark standalone cluster of network-namespace hosts (tests/harness/spark_hosts.py), started once for
+    the run by the first test that asks for it: its driver programs reach the test's broker through it."""
+    from harness.cluster_runs import start_cluster
+
+    cluster = start_cluster()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
 def broker_choice():
     """Which Kafka the tests run against (a broker from a start script is started here, once, and
     stopped after the run); an external cluster must answer first (checked once: a cluster that does

@@ -12,18 +12,14 @@ socat); without them the tests fail saying why.
 """
 from __future__ import annotations
 
-import glob
 import json
 import os
-import subprocess
-import sys
 import time
 from collections import Counter
 
-import pyarrow.parquet as pq
 import pytest
 
-from harness.spark_hosts import NamespaceCluster
+from harness import cluster_runs
 from harness.support import (
     PacedProducer,
     Workload,
@@ -39,65 +35,16 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.real_only("the multi-host behaviour is proven where partitions are shared and a join "
                                     "ends no session: on real Kafka")]
 
-APP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cluster_app.py")
-WORKERS = 3
+WORKERS = cluster_runs.WORKERS
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    c = NamespaceCluster(workers=WORKERS, cores=1, memory="1g")
-    try:
-        c.start()
-        yield c
-    finally:
-        c.stop()
+@pytest.fixture
+def cluster(namespace_cluster):
+    return namespace_cluster
 
 
-def _run_app(cluster, kafka, mode: str, topic: str, group: str, shared: str, *extra: str) -> subprocess.Popen:
-    cluster.forward(kafka.bootstrap_servers)
-    os.makedirs(shared, exist_ok=True)
-    argv = [sys.executable, APP, mode, "--master", cluster.master_url, "--driver-host", cluster.hosts["driver"],
-            "--bootstrap", kafka.bootstrap_servers, "--topic", topic, "--group", group, "--shared", shared,
-            "--cores-max", str(WORKERS), *extra]
-    env = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    return cluster.spawn("driver", argv, env=env, log_name=f"app-{os.path.basename(shared)}.log")
-
-
-def _result(app: subprocess.Popen, shared: str, timeout: float) -> dict:
-    try:
-        app.wait(timeout)
-    except subprocess.TimeoutExpired:
-        app.kill()
-        raise AssertionError(f"the driver program did not finish in {timeout:.0f} s: {_tail(app.log_path)}") from None
-    path = os.path.join(shared, "result.json")
-    assert os.path.exists(path), f"the driver program left no result (exit {app.returncode}): {_tail(app.log_path)}"
-    return json.load(open(path))
-
-
-def _tail(path: str) -> str:
-    return open(path, errors="replace").read()[-4000:]
-
-
-def _written(shared: str) -> list[dict]:
-    """The rows of committed files (a job's files appear under _temporary first, then are renamed)."""
-    rows = []
-    for f in glob.glob(os.path.join(shared, "out", "*.parquet")):
-        try:
-            rows += pq.read_table(f, columns=["value", "batch", "task", "deliveryCount", "run"]).to_pylist()
-        except FileNotFoundError:  # an aborted attempt's file, removed meanwhile
-            continue
-    return rows
-
-
-def _counts_match_writes(res: dict, rows: list[dict]) -> dict[int, int]:
-    """Every batch's first action (its count) and second (its write, no persist: the batch is read
-    again, maybe on another host) saw the same rows. Returns the rows per batch."""
-    written: dict[int, int] = {}
-    for r in rows:
-        written[r["batch"]] = written.get(r["batch"], 0) + 1
-    counts = {b["batch"]: b["count"] for b in res["batches"] if b["count"]}
-    assert counts == written, f"the batch's count and its write saw different rows: {counts} != {written}"
-    return counts
+_run_app, _result, _tail, _written = cluster_runs.run_app, cluster_runs.result, cluster_runs.tail, cluster_runs.written
+_counts_match_writes = cluster_runs.counts_match_writes
 
 
 def test_drain_on_three_hosts(cluster, kafka, tmp_path):

@@ -15,9 +15,9 @@ import pytest
 import spark_share
 from harness.support import (
     BatchCollector,
+    IdleMember,
     Workload,
     check_no_loss,
-    client_config,
     drive_available_now,
     gid,
     read_stream,
@@ -26,30 +26,6 @@ from harness.support import (
 )
 
 pytestmark = pytest.mark.slow
-
-
-class IdleMember:
-    """A share consumer of the group that joins, gets partitions, and then is never polled: what a
-    member of the query on a host where no read task lands looks like to the broker."""
-
-    def __init__(self, kafka, group: str, topic: str):
-        from confluent_kafka import ShareConsumer
-
-        self.stats: dict = {}
-        self.consumer = ShareConsumer({**client_config(kafka), "group.id": group,
-                                       "share.acknowledgement.mode": "explicit", "statistics.interval.ms": 100,
-                                       "stats_cb": lambda s: self.stats.update(json.loads(s))})
-        self.consumer.subscribe([topic])
-        # Polled only until it is a steady member with partitions, while the topic is still empty.
-        wait_until(lambda: not len(self.consumer.poll(0.1)) and self.assigned() > 0, timeout=30,
-                   message="the idle member did not join the group")
-
-    def assigned(self) -> int:
-        cgrp = self.stats.get("cgrp") or {}
-        return cgrp.get("assignment_size", 0) if cgrp.get("join_state") == "steady" else 0
-
-    def close(self) -> None:
-        self.consumer.close()
 
 
 def test_a_drain_waits_for_partitions_no_poll_of_its_own_answered(spark, kafka, tmp_path):

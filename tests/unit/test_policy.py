@@ -394,3 +394,37 @@ def test_batches_prefetch_at_start_up_and_when_their_tasks_queue_for_sparks_slot
     assert not p.prefetches(2), "Spark's slots unknown: the read tasks poll"
     p.task_slots = 2
     assert not p.prefetches(2) and p.prefetches(8), "8 tasks on 2 slots: the waiting ones' polls run early"
+
+
+def test_a_drain_after_an_earlier_run_died_in_a_batch_waits_a_lock_for_its_records():
+    """Spark replays a batch the earlier run planned and never committed: if that run died (its driver host
+    lost), the records it held are locked until their lock expires and then come back, below what this run
+    reads (it cannot see the gap: its view of a partition is the highest offset it read). The drain polls
+    on until then, then ends as it would have."""
+    p = available_now({("t", 0): 100})
+    p.lock_ms = 15_000
+    p.earlier_batch_replayed(now=1000.0)
+    p.planned(0, 1000.0)
+    b0 = batch(0, [(50, 99)])  # the records after the ones the dead run holds
+    heard(p, b0)
+    assert p.should_run(b0, 0, 1001.0) and not p.closing, "it saw all it could: no closing batch yet"
+    assert p.waiting_for_locks and p.slots_of_new_batch(None) == 2, "it polls while it waits"
+    empty = answered(1, ("t", 0))
+    heard(p, empty)
+    assert p.should_run(empty, 0, 1010.0), "within the lock: it waits"
+    back = batch(2, [(0, 49)])  # the dead run's records, back once their lock expired
+    heard(p, back)
+    assert p.should_run(back, 0, 1014.0) and not p.closing, "still within the lock: it waits on"
+    assert not p.should_run(answered(3, ("t", 0)), 0, 1016.0), "after the lock: it ends as it would"
+    assert p.waiting_for_locks, "progress says why the drain ran longer"
+
+
+def test_a_drain_after_a_replayed_batch_closes_as_usual_once_the_lock_has_passed():
+    p = available_now({("t", 0): 100})
+    p.lock_ms = 15_000
+    p.earlier_batch_replayed(now=1000.0)
+    p.planned(0, 1000.0)
+    b0 = batch(0, [(0, 99)])
+    heard(p, b0)
+    assert p.should_run(b0, 0, 1016.0) and p.closing and not p.waiting_for_locks
+    assert not p.should_run(batch(1, slots=0), 0, 1016.5)

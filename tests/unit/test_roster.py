@@ -57,7 +57,7 @@ def test_a_joining_agent_is_told_what_to_read_and_no_credential(roster):
     assert reply["topics"] == ["t"] and reply["slots"] == 2
     # Both ends take the other for gone after the same silence: within the record lock (Kafka's default
     # 30 s as far as the tracker knows), never less than DEAD_AFTER_MIN_S.
-    assert reply["dead_after_s"] == conn.dead_after_s == 15.0
+    assert reply["dead_after_s"] == conn.dead_after_s == 10.0
     assert "hunter2-secret" not in repr(reply)
     assert not any("sasl" in k or "password" in k for k in reply)
 
