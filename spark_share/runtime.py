@@ -24,6 +24,7 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LOG_RETENTION_S = 7 * 86400
 LOG_MAX_BYTES = 10 << 20  # a tracker log rotates at this size...
 LOG_BACKUPS = 3  # ...keeping this many older files
+AGENT_LOG_RUNS = 20  # the agent logs of this many query runs are kept on a host (their own rotation caps each)
 _SAFE_ID = re.compile(r"[0-9a-f]{16}")  # a tracker id (it names files here)
 ORPHAN_AGE_S = 3600.0  # an agent's socket and lock files unused this long, with no holder, are removed
 
@@ -78,16 +79,21 @@ def release_tracker_lock(tracker_id: str, fd: int) -> None:
 
 
 def _tracker_alive(tracker_id: str) -> bool:
+    return _lock_held(tracker_lock_path(tracker_id))
+
+
+def _lock_held(path: str) -> bool:
+    """Does a live process hold the life lock at ``path`` (a tracker's, or an agent's ``.alive``)?"""
     import fcntl
 
     try:
-        fd = os.open(tracker_lock_path(tracker_id), os.O_RDWR)
+        fd = os.open(path, os.O_RDWR)
     except OSError:
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        return True  # held: the tracker runs
+        return True  # held: its process runs
     finally:
         os.close(fd)
     return False
@@ -199,10 +205,8 @@ def prune(max_age_s: float = LOG_RETENTION_S, orphan_age_s: float = ORPHAN_AGE_S
         elif (name.startswith("checkpoint-") or name.startswith("final-")) and name.endswith(".json"):
             query_id = name[name.index("-") + 1:-len(".json")]
             gone = age > max_age_s and live_registry_entry(query_id) is None
-        elif name.startswith("agent-") and name.endswith(".spawn"):
-            if age > orphan_age_s or not _tracker_alive(name[len("agent-"):-len(".spawn")]):
-                removed += _remove_orphan_agent_files(path[:-len(".spawn")])
-            continue
+        elif name.startswith("agent-"):
+            continue  # prune_agent_files, below
         elif name.startswith("tracker-") and name.endswith(".alive"):
             gone = not _tracker_alive(name[len("tracker-"):-len(".alive")])
         elif name.startswith("tls-") and name.endswith(".pem"):  # a key file whose loader was killed mid-load
@@ -210,6 +214,38 @@ def prune(max_age_s: float = LOG_RETENTION_S, orphan_age_s: float = ORPHAN_AGE_S
         if gone:
             remove(path)
             removed.append(name)
+    return removed + prune_agent_files(max_age_s, orphan_age_s)
+
+
+def prune_agent_files(max_age_s: float = LOG_RETENTION_S, orphan_age_s: float = ORPHAN_AGE_S) -> list[str]:
+    """Remove what agents of ended runs left on this host (run when an agent or a tracker starts: an
+    executor host may never see a tracker): the socket and lock files of killed agents (at once when
+    their tracker is gone or elsewhere, else an hour on), and agent logs untouched for a week or beyond
+    the newest ``AGENT_LOG_RUNS`` runs' whose agents have ended."""
+    base = runtime_dir()
+    now = time.time()
+    removed = []
+    logs: dict[str, list[tuple[float, str]]] = {}
+    for name in sorted(os.listdir(base)):
+        if not name.startswith("agent-"):
+            continue
+        path = os.path.join(base, name)
+        try:
+            mtime = os.stat(path).st_mtime
+        except OSError:
+            continue
+        if name.endswith(".spawn"):
+            if now - mtime > orphan_age_s or not _tracker_alive(name[len("agent-"):-len(".spawn")]):
+                removed += _remove_orphan_agent_files(path[:-len(".spawn")])
+        elif ".log" in name:
+            logs.setdefault(name[:name.index(".log")], []).append((mtime, name))
+    newest_first = sorted(logs, key=lambda run: max(logs[run]), reverse=True)
+    for i, run in enumerate(newest_first):
+        last_write = max(logs[run])[0]
+        if (i >= AGENT_LOG_RUNS or now - last_write > max_age_s) and not _lock_held(os.path.join(base, run) + ".alive"):
+            for _, name in logs[run]:
+                remove(os.path.join(base, name))
+                removed.append(name)
     return removed
 
 
@@ -268,3 +304,44 @@ def log_to_stderr() -> None:
         root.addHandler(h)
         root.setLevel(logging.INFO)
         root.propagate = False
+
+
+class _RotatingStderrFile(logging.StreamHandler):
+    """Lines to stderr, which is the log file at ``path``: past ``LOG_MAX_BYTES`` it is renamed (the last
+    ``LOG_BACKUPS`` kept) and a new file takes over descriptor 2, so that what the process's C libraries
+    and Python's own error paths print there rotates with our lines."""
+
+    def __init__(self, path: str):
+        super().__init__(sys.stderr)
+        self.path = path
+
+    def emit(self, record: logging.LogRecord) -> None:
+        super().emit(record)
+        try:
+            if os.fstat(2).st_size > LOG_MAX_BYTES:
+                self._rotate()
+        except OSError:
+            pass  # a full disk: the lines we cannot write are lost, the process goes on
+
+    def _rotate(self) -> None:
+        for i in range(LOG_BACKUPS - 1, 0, -1):
+            if os.path.exists(f"{self.path}.{i}"):
+                os.replace(f"{self.path}.{i}", f"{self.path}.{i + 1}")
+        os.replace(self.path, self.path + ".1")
+        fd = os.open(self.path, os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o600)
+        try:
+            sys.stderr.flush()
+            os.dup2(fd, 2)
+        finally:
+            os.close(fd)
+
+
+def log_to_rotating_stderr(path: str) -> None:
+    """For a process whose stderr is the log file at ``path`` (an agent: its spawner opened it): spark_share's
+    INFO lines there, rotated by size like the tracker's (an agent lives as long as its query run: weeks)."""
+    root = logging.getLogger("spark_share")
+    h = _RotatingStderrFile(path)
+    h.setFormatter(logging.Formatter(LOG_FORMAT))
+    root.addHandler(h)
+    root.setLevel(logging.INFO)
+    root.propagate = False

@@ -406,7 +406,8 @@ def main() -> None:
     if os.fork() > 0:
         os._exit(0)
     os.setsid()
-    runtime.log_to_stderr()
+    runtime.log_to_rotating_stderr(runtime.agent_log_path(params["tracker_id"]))
+    runtime.prune_agent_files()  # what agents of ended runs on this host left (their tracker is elsewhere)
     try:
         agent = Agent(params["tracker"], params["tracker_id"], params["secret"], params["consumer_config"],
                       params["producer_config"], params["secret_values"])

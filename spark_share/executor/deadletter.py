@@ -10,6 +10,7 @@ flushed, the file closed), or drop a field of the original record.
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -63,7 +64,7 @@ class DeadLetterWriter:
 
         if self._producer is None:
             conf = dict(self._producer_config)
-            conf.update({"enable.idempotence": "true", "acks": "all"})
+            conf.update({"enable.idempotence": "true", "acks": "all", "logger": logging.getLogger("spark_share.kafka")})
             self._producer = Producer(conf)
         return self._producer
 

@@ -33,6 +33,7 @@ from .session_acks import Holding, acknowledge_held, error_code
 from .session_stats import STATS_INTERVAL_MS, FetchStats
 
 log = logging.getLogger("spark_share.executor.session")
+KAFKA_LOG = logging.getLogger("spark_share.kafka")  # librdkafka's own lines
 
 POLL_SLICE_S = 0.05  # how often an empty poll looks at the fetch state
 # A consumer not polled for max.poll.interval.ms (5 min by default: a long trigger, a session the
@@ -101,6 +102,7 @@ class ShareSession:
         client_conf["stats_cb"] = self._on_stats
         self._failures = FailureWatch(conf, scrub)
         client_conf["error_cb"] = self._failures
+        client_conf["logger"] = KAFKA_LOG  # librdkafka's lines in the agent's log, rotated with it (not raw stderr)
         self.consumer = ShareConsumer(client_conf)
         try:
             self.consumer.subscribe(list(topics))

@@ -413,3 +413,64 @@ def test_headers_and_records_do_not_cross_the_network_in_clear(tapped):
     assert rep["echo"] == "header-in-clear?" and bytes(back) == record[::-1]
     for plain in (b"card=4111", b"1111-1114=drac", b"header-in-clear?"):
         assert plain not in bytes(tap.seen), plain
+
+
+_TIGHT_SERVER = """
+import logging, os, resource, sys
+from spark_share.transport import wire
+logging.basicConfig(stream=sys.stderr, level=logging.INFO)
+secret = sys.stdin.readline().strip()
+srv = wire.RpcServer(("127.0.0.1", 0), secret, lambda c, r, b: ({"pauses": srv.accept_pauses}, b""), name="tight")
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+top = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+resource.setrlimit(resource.RLIMIT_NOFILE, (top + 4, hard))  # a few peers, then EMFILE
+print(srv.address[1], flush=True)
+sys.stdin.readline()  # until the test says stop
+srv.close()
+print("closed", flush=True)
+"""
+
+
+def test_the_accept_loop_survives_running_out_of_descriptors(tmp_path):
+    """A server out of descriptors (EMFILE) pauses accepting with a log line, and takes the peers that
+    waited once descriptors are free again: it never stops accepting for good."""
+    import subprocess
+    import sys
+
+    err = open(tmp_path / "server.err", "w+")
+    server = subprocess.Popen([sys.executable, "-c", _TIGHT_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=err, text=True)
+    clients = []
+    try:
+        server.stdin.write(SECRET + "\n")
+        server.stdin.flush()
+        port = int(server.stdout.readline())
+        address = ("127.0.0.1", port)
+        while True:  # connect until the server has no descriptor for the next peer
+            try:
+                clients.append(wire.connect(address, SECRET, timeout=3))
+            except (TimeoutError, OSError, PeerConnectionError):
+                break
+            assert len(clients) < 50, "the descriptor limit did not hold"
+        assert clients, "no peer was admitted at all"
+        rep, _ = clients[0].call({"op": "pauses"}, timeout=10)
+        assert rep["pauses"] >= 1
+        waiting = []
+        late = threading.Thread(target=lambda: waiting.append(wire.connect(address, SECRET, timeout=30)))
+        late.start()
+        for c in clients[:2]:  # descriptors free again: the waiting peer gets in
+            c.close()
+        late.join(40)
+        assert waiting, "a peer waiting in the backlog was never accepted"
+        rep, _ = waiting[0].call({"op": "pauses"}, timeout=10)
+        assert rep["pauses"] >= 1
+        clients += waiting
+    finally:
+        for c in clients:
+            c.close()
+        server.stdin.write("stop\n")
+        server.stdin.flush()
+        assert server.stdout.readline().strip() == "closed"
+        server.wait(30)
+    err.seek(0)
+    assert "tight: cannot accept a connection (Too many open files)" in err.read()
