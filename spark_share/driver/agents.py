@@ -102,12 +102,13 @@ class AgentRoster:
         return True
 
     def relay(self, m: Fetch, owner: str | None) -> tuple[dict, bytes]:
-        """A re-read of a slot another host's agent holds, passed through here and let go once sent on."""
+        """A re-read of a slot another host's agent holds, or a read lent to it at the members' cap (it reads
+        the slot first), passed through here and let go once sent on."""
         with self.lock:
             agent = self.conns.get(owner) if owner else None
         if agent is None:
             raise BatchRefused(f"batch {m.batch} slot {m.slot} is held by no live agent")
-        rep, blob = call(agent, Fetch(m.batch, m.slot), timeout=120)
+        rep, blob = call(agent, m, timeout=120)
         with self.lock:
             self.relays += 1
             self.relayed_bytes += len(blob)

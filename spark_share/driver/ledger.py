@@ -104,6 +104,15 @@ class BatchLedger:
                 b.granted_total += granted or 0
             return owner
 
+    def reassign(self, batch: int, slot: int, agent_id: str) -> bool:
+        """(batch, slot), claimed and not acquired, is read by ``agent_id`` instead (a read lent to another
+        host at the members' cap). Call with ``lock`` held."""
+        b = self.batches.get(batch)
+        if b is None or b.state != PLANNED or slot in b.acquired:
+            return False
+        b.claims[slot] = agent_id
+        return True
+
     def granted(self, batch: int, slot: int) -> int | None:
         with self.lock:
             return self.batches[batch].granted.get(slot)

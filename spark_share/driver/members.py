@@ -4,15 +4,20 @@ Owns: how many members each agent has (what it last reported), the members grant
 yet reported (``leases``), the cap (``numPartitions``, lowered to what the group admitted once the
 broker refused a member for ``group.share.max.size``), the decision whether a read that finds no free
 consumer on its host may open one (or which other agent must first close one it did not use in this
-batch), which agents hold members they have not used for a while (closed within a record lock), and
-the per-host view of status() and progress.
+batch, or which agent with a consumer free in this batch reads the slot for it: ``lend``), which agents hold
+members they have not used for a while (closed within a record lock), and the per-host view of status()
+and progress.
 
 Kafka caps a share group's members (``group.share.max.size``: 200 by default, at most 1,000; a second
 query on the group counts too). A host opens a consumer when a read of its finds none free, and Spark
 places a batch's tasks wherever it likes, so without a cap the members would be the sum over hosts of
 the most slots each ever read at once. With the cap they are at most ``numPartitions`` at any time:
-a batch has that many slots and a consumer serves one slot per batch, so some member is always free
-to move (closed on one host before another opens).
+a batch has that many slots and a consumer serves one slot per batch, so some member is free in every
+batch a read on a host without one finds the cap reached: that member's agent reads the slot and the
+rows reach the read through the tracker. Members do not move between hosts per batch (a consumer that
+joins waits for its assignment, on Kafka up to a heartbeat, and on the embedded broker every join ends
+every member's share session); a host's members that no read used for a while are closed, and the
+next read past the cap opens one where reads land.
 
 Must never: do I/O or wait (the tracker asks the agents and calls this under the ledger's lock), or
 let granted and reported members together pass the cap.
@@ -32,6 +37,7 @@ class AgentMembers:
     host: str
     members: int = 0  # as the agent last reported
     used: dict[int, set[str]] = field(default_factory=dict)  # batch -> its sessions that polled in it
+    busy: dict[int, set[int]] = field(default_factory=dict)  # batch -> slots its consumers read (claimed or lent)
     last_read: tuple[int, float] = (-1, 0.0)  # (batch, time) of its last claim
     trim_asked_at: float = 0.0
 
@@ -89,10 +95,19 @@ class MemberBook:
             if a is not None:
                 a.members += 1
 
-    def claimed(self, agent: str, batch: int) -> None:
+    def claimed(self, agent: str, batch: int, slot: int) -> None:
+        """``agent``'s consumers read (batch, slot): a read of its own, or one lent to it."""
         a = self.agents.get(agent)
         if a is not None:
             a.last_read = (max(batch, a.last_read[0]), time.monotonic())
+            a.busy.setdefault(batch, set()).add(slot)
+            for old in [b for b in a.busy if b < batch - 4 * IDLE_BATCHES]:
+                del a.busy[old]
+
+    def _free(self, name: str, a: AgentMembers, batch: int) -> int:
+        """``a``'s members that no read of ``batch`` uses (a slot that opened a member on a lease uses that one)."""
+        busy = a.busy.get(batch, ())
+        return a.members - sum(1 for s in busy if self.leases.get((batch, s)) != name)
 
     def may_open(self, agent: str, batch: int, slot: int) -> bool:
         """A read of (batch, slot) on ``agent`` found no free member: may it open one now? If so the
@@ -102,12 +117,20 @@ class MemberBook:
             return True
         return False
 
-    def movable(self, agent: str, batch: int) -> list[str]:
-        """Agents that may give up a member for a read of ``batch`` on ``agent``: those with more members
-        than they used in this batch, the least recently read first."""
-        out = [(a.last_read, name) for name, a in self.agents.items()
-               if name != agent and a.members > len(a.used.get(batch, ()))]
-        return [name for _, name in sorted(out)]
+    def lend(self, agent: str, batch: int, slot: int) -> str | None:
+        """The cap is reached and ``agent`` has no free member for its read of (batch, slot): the agent that
+        reads the slot for it, one with more members than its reads of this batch use (the least recently
+        read first), or None (every member is in use: the cap was lowered by a refusal)."""
+        free = [(a.last_read, name) for name, a in self.agents.items()
+                if name != agent and self._free(name, a, batch) > 0]
+        if not free:
+            return None
+        helper = min(free)[1]
+        asking = self.agents.get(agent)
+        if asking is not None:
+            asking.busy.get(batch, set()).discard(slot)
+        self.claimed(helper, batch, slot)
+        return helper
 
     def idle(self, batch: int, idle_s: float) -> list[str]:
         """Agents holding members that no read used in the last IDLE_BATCHES batches up to ``batch`` (each

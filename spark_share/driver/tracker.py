@@ -46,7 +46,6 @@ from ..transport.protocol import (
     Status,
     Trim,
     Verdicts,
-    call,
     call_async,
     dispatcher,
 )
@@ -72,7 +71,10 @@ log = logging.getLogger("spark_share.driver.tracker")
 
 __all__ = ["Tracker", "AGENT_LOST", "one_host"]
 
-MOVE_TIMEOUT_S = 15.0  # an agent asked to give up a member for another's read answers within this
+# A read lent at the members' cap finds the consumer it was lent to taken by a read of that host that claimed
+# after it: it is lent on, this many times at most (the book of free consumers is right again by then).
+MAX_LENDS = 3
+TRIM_TIMEOUT_S = 15.0  # an agent asked to close idle members answers within this
 SHUTDOWN_WAIT_S = 10.0  # a stop waits this long at most for acknowledgements under way, then for agents
 BACKLOG_LOG_S = 60.0  # the backlog estimate's INFO line, at most this often
 
@@ -235,37 +237,23 @@ class Tracker:
             return {"owner": None}
         if owner == agent_id:
             with self.ledger.lock:
-                self.members.claimed(agent_id, m.batch)
+                self.members.claimed(agent_id, m.batch, m.slot)
         return {"owner": owner, "carry_ms": self.policy.carry_ms, "max_records": self.ledger.granted(m.batch, m.slot)}
 
     def _on_member(self, conn: wire.RpcConnection, m: Member) -> dict:
-        return {"open": self._grant_member(agent_of(conn), m.batch, m.slot)}
-
-    def _grant_member(self, agent_id: str, batch: int, slot: int) -> bool:
-        """May ``agent_id`` open a consumer for its read of (batch, slot)? Within the cap, yes; at the cap,
-        once another agent closed one it did not use in this batch (it has left the group on return: the
-        group never sees more than the cap). No if none could move (the cap was lowered by a refusal)."""
+        """A read of (batch, slot) finds no free consumer on its host: it opens one within the cap; at the cap,
+        an agent with a consumer free in this batch reads the slot for it (``relay``: the rows come through
+        here, ``Fetch``); else the slot reads nothing."""
+        agent_id = agent_of(conn)
         with self.ledger.lock:
-            if self.members.may_open(agent_id, batch, slot):
-                return True
-            movable = [(a, self.agents.get(a)) for a in self.members.movable(agent_id, batch)]
-        for victim, conn in movable:
-            if conn is None:
-                continue
-            try:
-                rep, _ = call(conn, Trim(batch, 0.0, 1), timeout=MOVE_TIMEOUT_S)
-            except Exception as e:  # gone or slow: try the next
-                log.debug("agent %s did not give up a member: %s", victim, e)
-                continue
-            with self.ledger.lock:
-                self.members.closed(victim, int(rep["closed"]))
-                if self.members.may_open(agent_id, batch, slot):
-                    log.info("batch %d slot %d: a share consumer moves from agent %s to agent %s (the query's members "
-                             "are capped at %d)", batch, slot, victim, agent_id, self.members.cap)
-                    return True
+            if self.members.may_open(agent_id, m.batch, m.slot):
+                return {"open": True}
+            helper = self.members.lend(agent_id, m.batch, m.slot) if m.lent < MAX_LENDS else None
+            if helper is not None and helper in self.agents and self.ledger.reassign(m.batch, m.slot, helper):
+                return {"open": False, "relay": helper}
         log.warning("batch %d slot %d: agent %s has no free share consumer and the query has its %d members elsewhere, "
-                    "all in use: the slot reads nothing", batch, slot, agent_id, self.members.cap)
-        return False
+                    "all in use: the slot reads nothing", m.batch, m.slot, agent_id, self.members.cap)
+        return {"open": False}
 
     def _on_acquired(self, conn: wire.RpcConnection, m: Acquired) -> dict:
         agent_id = agent_of(conn)
@@ -455,7 +443,7 @@ class Tracker:
             self.members.settled(b.batch)
             asked = [(a, self.agents.get(a)) for a in self.members.idle(b.batch, idle_s)]
         futures = {a: call_async(conn, Trim(b.batch - IDLE_BATCHES + 1, idle_s)) for a, conn in asked if conn}
-        wait_futures(list(futures.values()), timeout=MOVE_TIMEOUT_S)
+        wait_futures(list(futures.values()), timeout=TRIM_TIMEOUT_S)
         for a, f in futures.items():
             try:
                 rep, _ = f.result(timeout=0)

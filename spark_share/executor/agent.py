@@ -65,6 +65,8 @@ if TYPE_CHECKING:
     from .session import ShareSession
 
 log = logging.getLogger("spark_share.executor.agent")
+CLOSE_WAIT_S = 30.0  # at shutdown, for the consumers to close (their releases wait for the broker)
+
 
 @dataclass
 class Cached:
@@ -85,10 +87,11 @@ def _redelivered(rb) -> int:
 
 class Agent:
     def __init__(self, tracker_addr, tracker_id: str, secret: str, consumer_config: dict[str, str],
-                 producer_config: dict[str, str], secret_values: list[str]):
+                 producer_config: dict[str, str], secret_values: list[str], alive_fd: int | None = None):
         from ..options import scrub
 
         self.tracker_id = tracker_id
+        self.alive_fd = alive_fd  # the host's life lock of this run's agent (see launcher), held until _leave_host
         self.agent_id = f"{socket.gethostname()}:{os.getpid()}"
         self._secret = secret
         self._scrub = lambda s: scrub(s, secret_values)
@@ -150,7 +153,9 @@ class Agent:
         return {"agent_id": self.agent_id, "sessions": len(self.pool), "cached": cached}
 
     def _read(self, batch: int, slot: int, max_records, poll_timeout_ms: int, query_id, spark_batch,
-              connect_session=None):
+              connect_session=None, lent: int = 0):
+        """A read task's read of (batch, slot) (``lent``: one another host's read lent to this agent at the
+        members' cap, that many times; its rows go back through the tracker)."""
         key = (batch, slot)
         while True:
             with self._lock:
@@ -188,7 +193,11 @@ class Agent:
             if session is None:
                 # No consumer is free here: the query's members are capped, so the tracker says whether a
                 # new one may join (another host may first close one it did not use in this batch).
-                member, _ = call(self.tracker, Member(batch, slot), timeout=60)
+                member, _ = call(self.tracker, Member(batch, slot, lent), timeout=60)
+                if member.get("relay"):  # at the cap: an agent with a free consumer reads it for this task
+                    rep, ipc = call(self.tracker, Fetch(batch, slot, max_records, poll_timeout_ms, query_id,
+                                                        spark_batch, lent + 1), timeout=120)
+                    return {"rows": rep.get("rows", 0), "cached": True, "relayed": True}, ipc
                 if not member["open"]:  # the query has all the members it may have, all in use elsewhere
                     return self._read_nothing(batch, slot, spark_batch, query_id, key)
                 session, opened = self.pool.open(batch, max_records), True
@@ -309,6 +318,10 @@ class Agent:
     def _on_fetch(self, conn, m: Fetch):
         with self._lock:
             hit = self._cache.get((m.batch, m.slot))
+        if hit is None and m.poll_timeout_ms is not None:  # a read lent to this agent: it reads the slot now
+            self._read(m.batch, m.slot, m.max_records, m.poll_timeout_ms, m.query_id, m.spark_batch, lent=m.lent)
+            with self._lock:
+                hit = self._cache.get((m.batch, m.slot))
         if hit is None:
             raise BatchRefused(f"batch {m.batch} slot {m.slot} is not cached here")
         return {"rows": hit.rows}, hit.ipc
@@ -379,11 +392,24 @@ class Agent:
             self.server.close()
         except Exception:
             pass
-        wait_futures(closing, timeout=30)
+        self._leave_host()
+        wait_futures(closing, timeout=CLOSE_WAIT_S)
         if self._deadletters is not None:
             self._deadletters.close()
         self.tracker.close()
         self.done.set()
+
+
+    def _leave_host(self) -> None:
+        """This run's files on the host removed and the life lock let go, before the consumers finish closing
+        (which waits for the broker: up to CLOSE_WAIT_S when the network is cut): a read task of the same run
+        (the tracker was only cut off) starts a new agent at once instead of waiting for this one to end."""
+        base = runtime.agent_base(self.tracker_id)
+        for suffix in (".spawn", ".alive"):  # removed while held: a spawner that opened them retries on new ones
+            runtime.remove(base + suffix)
+        if self.alive_fd is not None:
+            os.close(self.alive_fd)
+            self.alive_fd = None
 
 
 def _connect_tracker(tracker_addr, secret: str, inline=None, **kwargs) -> wire.RpcConnection:
@@ -410,7 +436,7 @@ def main() -> None:
     runtime.prune_agent_files()  # what agents of ended runs on this host left (their tracker is elsewhere)
     try:
         agent = Agent(params["tracker"], params["tracker_id"], params["secret"], params["consumer_config"],
-                      params["producer_config"], params["secret_values"])
+                      params["producer_config"], params["secret_values"], params.get("alive_fd"))
     except Exception as e:
         from ..options import scrub
 
@@ -431,11 +457,6 @@ def main() -> None:
     os.dup2(devnull, 1)
     sys.stdout = open(os.devnull, "w")
     agent.done.wait()
-    for suffix in (".spawn", ".alive"):  # no spawner can want this run's locks any more: its tracker is gone
-        try:
-            os.unlink(runtime.agent_base(params["tracker_id"]) + suffix)
-        except OSError:
-            pass
     log.info("agent %s: exiting", agent.agent_id)
     logging.shutdown()
     os._exit(0)

@@ -34,42 +34,43 @@ def ensure_agent(tracker_addr: tuple[str, int], tracker_id: str, secret: str, op
 
     Two locks make this safe when Spark kills a worker half way: ``.spawn`` lets one read task at a
     time decide to start an agent; ``.alive`` is taken by the spawner and handed to the agent (an
-    inherited file description), so it is held exactly as long as an agent lives, starting or not."""
+    inherited file description), so it is held as long as an agent serves, starting or not. An agent
+    that stops lets it go as it closes its socket (``Agent._leave_host``): a read task that finds
+    neither a socket nor a held lock starts the next one."""
     path = runtime.agent_socket_path(tracker_id)
-    try:
-        return wire.connect(path, secret, timeout=timeout, name="task")
-    except (FileNotFoundError, ConnectionRefusedError):
-        pass
-    base = runtime.agent_base(tracker_id)
-    spawn_fd = os.open(base + ".spawn", os.O_CREAT | os.O_RDWR, 0o600)
-    try:
-        fcntl.flock(spawn_fd, fcntl.LOCK_EX)  # released if this worker dies
-        alive_fd = os.open(base + ".alive", os.O_CREAT | os.O_RDWR, 0o600)
-        try:
-            fcntl.flock(alive_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:  # an agent lives (maybe still starting): wait for its socket
-            os.close(alive_fd)
-            return _connect_when_ready(path, secret, timeout)
-        try:
-            if os.path.exists(path):
-                os.unlink(path)  # left by an agent that was killed
-            _spawn_agent(tracker_addr, tracker_id, secret, opts, alive_fd)
-        finally:
-            os.close(alive_fd)  # the agent keeps its own copy of the locked description
-        return wire.connect(path, secret, timeout=timeout, name="task")
-    finally:
-        os.close(spawn_fd)
-
-
-def _connect_when_ready(path: str, secret: str, timeout: float) -> wire.RpcConnection:
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
     while True:
         try:
             return wire.connect(path, secret, timeout=timeout, name="task")
         except (FileNotFoundError, ConnectionRefusedError):
-            if time.monotonic() > deadline:
-                raise AgentError(f"the spark-share agent did not open {path} within {SPAWN_TIMEOUT_S:.0f} s") from None
-            time.sleep(0.05)  # bounded poll for a socket file; there is nothing to wait on
+            pass
+        if _spawn_unless_alive(tracker_addr, tracker_id, secret, opts):
+            return wire.connect(path, secret, timeout=timeout, name="task")
+        if time.monotonic() > deadline:
+            raise AgentError(f"the spark-share agent did not open {path} within {SPAWN_TIMEOUT_S:.0f} s")
+        time.sleep(0.05)  # an agent is starting (its socket is not there yet): a bounded poll for a file
+
+
+def _spawn_unless_alive(tracker_addr, tracker_id: str, secret: str, opts) -> bool:
+    """Start the agent unless one holds the life lock (it is starting, or serving): True if started."""
+    base = runtime.agent_base(tracker_id)
+    spawn_fd = os.open(base + ".spawn", os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(spawn_fd, fcntl.LOCK_EX)  # released if this worker dies; held only to check or to spawn
+        alive_fd = os.open(base + ".alive", os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(alive_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(alive_fd)
+            return False
+        try:
+            runtime.remove(runtime.agent_socket_path(tracker_id))  # left by an agent that was killed
+            _spawn_agent(tracker_addr, tracker_id, secret, opts, alive_fd)
+        finally:
+            os.close(alive_fd)  # the agent keeps its own copy of the locked description
+        return True
+    finally:
+        os.close(spawn_fd)
 
 
 def _spawn_agent(tracker_addr, tracker_id: str, secret: str, opts, alive_fd: int) -> None:
@@ -87,6 +88,7 @@ def _spawn_agent(tracker_addr, tracker_id: str, secret: str, opts, alive_fd: int
     assert proc.stdin is not None and proc.stdout is not None  # both are pipes
     # Parameters travel on stdin, never on the command line (visible to every user in ps).
     proc.stdin.write(json.dumps({"tracker": list(tracker_addr), "tracker_id": tracker_id, "secret": secret,
+                                 "alive_fd": alive_fd,
                                  "consumer_config": opts.consumer_config(),
                                  "producer_config": opts.producer_config() if opts.dead_letter_topic else {},
                                  "secret_values": opts.secret_values()}).encode() + b"\n")

@@ -74,6 +74,7 @@ class Claim(Message):
     slot: int
     query_id: str | None = None
     spark_batch: int | None = None
+    lent: int = 0
     connect_session: str | None = None  # the Spark Connect session of the reading job (foreachBatch under Connect)
     carrying: int = 0  # records the asking agent's session for this read carries from earlier polls
 
@@ -81,11 +82,12 @@ class Claim(Message):
 @dataclass
 class Member(Message):
     """The asking agent's read of (batch, slot) finds no free consumer there: may it start one? The
-    reply's ``open`` says so (the query's members are capped: another agent may first have had to close
-    one it did not use in this batch)."""
+    reply's ``open`` says so; at the query's members' cap, ``relay`` names the agent that reads the slot
+    instead (``lent``: how many times the read was lent already; bounded)."""
     op: ClassVar[str] = "member"
     batch: int
     slot: int
+    lent: int = 0
 
 
 @dataclass
@@ -113,10 +115,17 @@ class Acquired(Message):
 
 @dataclass
 class Fetch(Message):
-    """The cached rows of (batch, slot): to the tracker, which relays it to the agent that holds them."""
+    """The cached rows of (batch, slot): to the tracker, which relays it to the agent that holds them. With
+    ``poll_timeout_ms``, a read lent to that agent at the members' cap: it reads the slot first, with a free
+    consumer of its own, unless it has."""
     op: ClassVar[str] = "fetch"
     batch: int
     slot: int
+    max_records: int | None = None
+    poll_timeout_ms: int | None = None
+    query_id: str | None = None
+    spark_batch: int | None = None
+    lent: int = 0
 
 
 @dataclass
@@ -243,6 +252,7 @@ class Read(Message):
     poll_timeout_ms: int = 1000
     query_id: str | None = None
     spark_batch: int | None = None
+    lent: int = 0
     connect_session: str | None = None
 
 

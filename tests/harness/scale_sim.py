@@ -139,7 +139,8 @@ class Members:
         self.lock = threading.Lock()
         self.now = 0
         self.most = 0
-        self.closed = 0  # consumers the tracker asked agents to close (moved to another host, or idle)
+        self.closed = 0  # consumers the tracker asked agents to close (idle)
+        self.relayed = 0  # reads lent to another agent at the cap (its consumer polled, the rows relayed)
 
     def change(self, n: int) -> None:
         with self.lock:
@@ -180,9 +181,10 @@ class SimAgent:
         self.members.change(+1)
         return sid
 
-    def read(self, batch: int, slot: int) -> tuple[float, float]:
-        """One read task of (batch, slot) on this host: (claim RTT, acquired RTT) in ms."""
-        from spark_share.transport.protocol import Acquired, Claim, Member, call
+    def read(self, batch: int, slot: int, lent: int = 0) -> tuple[float, float]:
+        """One read task of (batch, slot) on this host (``lent``: another host's, lent to this one at the
+        members' cap): (claim RTT, acquired RTT) in ms."""
+        from spark_share.transport.protocol import Acquired, Claim, Fetch, Member, call
 
         t0 = time.perf_counter()
         claim, _ = call(self.conn, Claim(batch, slot, "sim-query", batch), timeout=120)
@@ -196,7 +198,12 @@ class SimAgent:
                 self.sessions[session] = batch
         opened = session is None
         if session is None:
-            member, _ = call(self.conn, Member(batch, slot), timeout=120)
+            member, _ = call(self.conn, Member(batch, slot, lent), timeout=120)
+            if member.get("relay"):
+                call(self.conn, Fetch(batch, slot, None, 1000, "sim-query", batch, lent + 1), timeout=120)
+                with self.members.lock:
+                    self.members.relayed += 1
+                return (t1 - t0) * 1000, (time.perf_counter() - t1) * 1000
             if not member["open"]:
                 call(self.conn, Acquired(batch, slot, rows=0), timeout=120)
                 return (t1 - t0) * 1000, 0.0
@@ -260,6 +267,8 @@ class SimAgent:
         return {"written": 0}
 
     def _on_fetch(self, conn, m):
+        if m.poll_timeout_ms is not None:  # a read lent to this agent
+            self.read(m.batch, m.slot, lent=m.lent)
         return {"rows": 0}, b""
 
     def _on_shutdown(self, conn, m) -> dict:
@@ -297,7 +306,7 @@ def agents_main(args) -> None:
                           "acquiredMs": [round(a, 2) for _, a in rtts], "errors": errors[:5],
                           "members": members.now, "mostMembers": members.most,
                           "verdictsReceived": sum(a.verdicts_received for a in agents),
-                          "closed": members.closed}), flush=True)
+                          "closed": members.closed, "relayed": members.relayed}), flush=True)
     for a in agents:
         a.conn.close()
 
@@ -400,7 +409,8 @@ def run(agents: int, slots: int, partitions: int, batches: int, placement: str =
                 read = _line(sims, 600)
                 if read["errors"]:
                     raise AssertionError(f"batch {n}: {read['errors']}")
-                row = {**planned, **{k: read[k] for k in ("members", "mostMembers", "verdictsReceived", "closed")},
+                row = {**planned, **{k: read[k] for k in ("members", "mostMembers", "verdictsReceived", "closed",
+                                                          "relayed")},
                        "claimP50Ms": statistics.median(read["claimMs"]), "claimMaxMs": max(read["claimMs"]),
                        "acquiredP50Ms": statistics.median(read["acquiredMs"]), "acquiredMaxMs": max(read["acquiredMs"])}
                 if rejects and n == 1:  # the second batch: its foreachBatch rejects rows

@@ -284,3 +284,21 @@ def test_waiting_for_a_live_agents_socket_is_bounded(host, monkeypatch):
     finally:
         os.close(alive)
     assert host.spawned == []
+
+
+def test_a_read_task_waiting_on_an_agent_that_stops_starts_the_next_one(host, monkeypatch):
+    """The run's agent stops while a read task waits for its socket (cut from its tracker, it leaves the host
+    before its consumers finish closing, which can take as long as the network is cut): the read task
+    starts the next agent as soon as the lock is let go, instead of waiting for a socket that never comes."""
+    runtime.runtime_dir()
+    alive = hold(host.base() + ".alive")  # the agent, stopping: its socket already closed
+    attempts = []
+
+    def connect(path, secret, timeout=None, name=None):
+        attempts.append(path)
+        if len(attempts) == 3:  # it lets go of the host
+            os.close(alive)
+        return host.connect(path, secret, timeout, name)
+    monkeypatch.setattr(launcher.wire, "connect", connect)
+    assert ensure() == ("conn", runtime.agent_socket_path(TRACKER_ID))
+    assert len(host.spawned) == 1 and len(attempts) == 4

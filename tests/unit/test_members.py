@@ -17,24 +17,39 @@ def book(cap: int, **agents: int) -> MemberBook:
 def test_a_read_may_open_a_member_only_within_the_cap_and_its_lease_counts_until_reported():
     b = book(3, a=1, b=1)
     assert b.may_open("a", batch=0, slot=2) and b.total == 3, "the lease counts at once"
-    assert not b.may_open("b", batch=0, slot=3), "a second read past the cap must wait for a member to move"
+    assert not b.may_open("b", batch=0, slot=3), "a second read past the cap opens none"
     b.read("a", batch=0, slot=2, session="a-2", opened=True)  # the lease became a member
     assert b.total == 3 and b.leases == {}
     assert not b.may_open("b", batch=1, slot=0)
 
 
-def test_members_move_from_agents_that_did_not_use_them_in_this_batch_least_recently_read_first(monkeypatch):
+def test_at_the_cap_a_read_is_lent_to_an_agent_with_a_member_free_in_its_batch_never_twice(monkeypatch):
+    """Members do not move per batch (a join waits for its assignment): a host with a consumer that no read
+    of this batch claimed reads the slot for the read that found none, the least recently read first, each
+    free consumer lent once; when every member is in use, none."""
     clock = [100.0]
     monkeypatch.setattr(members_module.time, "monotonic", lambda: clock[0])
     b = book(4, a=2, b=1, c=1)
-    b.claimed("c", 4)
+    b.claimed("c", 4, slot=0)
     clock[0] += 1
-    b.claimed("a", 5)
-    b.read("a", batch=5, slot=0, session="a-1", opened=False)
-    b.read("b", batch=5, slot=1, session="b-1", opened=False)
-    # In batch 5: b used its only member, a one of two, c none (it last read in batch 4).
-    assert b.movable("d", 5) == ["c", "a"]
-    assert b.movable("c", 5) == ["a"], "never the asking agent itself"
+    b.claimed("b", 5, slot=1)
+    clock[0] += 1
+    b.claimed("a", 5, slot=0)  # claimed, not yet polled: its consumer is in use all the same
+    # In batch 5: b uses its only member, a one of two, c none (it last read in batch 4).
+    assert b.lend("d", 5, slot=2) == "c"
+    assert b.lend("d", 5, slot=3) == "a", "c's one member is lent already"
+    assert b.lend("d", 5, slot=4) is None, "every member is in use or lent"
+    assert b.lend("c", 6, slot=0) == "b", "never the asking agent itself; in a new batch all are free again"
+
+
+def test_a_read_that_opened_a_member_on_a_lease_uses_that_one():
+    b = book(3, a=1, b=1)
+    b.claimed("a", 0, slot=0)
+    b.claimed("a", 0, slot=1)  # a's second read: no free consumer there, within the cap it opens one
+    assert b.may_open("a", 0, 1) and b.total == 3
+    assert b.lend("b", 0, slot=2) is None, "a's two consumers (one on its lease) are in use"
+    b.read("a", 0, 1, "a-2", opened=True)
+    assert b.lend("b", 0, slot=2) is None and b.total == 3
 
 
 def test_an_agent_whose_members_no_read_used_lately_is_asked_to_close_them_at_most_every_half_idle(monkeypatch):
