@@ -19,6 +19,7 @@ ends it releases everything and exits).
 """
 from __future__ import annotations
 
+import errno
 import gc
 import json
 import logging
@@ -66,6 +67,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("spark_share.executor.agent")
 CLOSE_WAIT_S = 30.0  # at shutdown, for the consumers to close (their releases wait for the broker)
+CONNECT_WAIT_S = 30.0  # a new agent tries to reach its tracker this long...
+CONNECT_ATTEMPT_S = 2.0  # ...in attempts of this long
 
 
 @dataclass
@@ -413,17 +416,27 @@ class Agent:
 
 
 def _connect_tracker(tracker_addr, secret: str, inline=None, **kwargs) -> wire.RpcConnection:
-    """The connection to the query's tracker on the driver, or an error a user can act on."""
+    """The connection to the query's tracker on the driver, or an error a user can act on. A cut network
+    (no answer, or no route) is waited out for CONNECT_WAIT_S, in short attempts: a single attempt would
+    wait on the kernel's backoff between its SYNs, the next one up to seconds after the network is back.
+    A refusal fails at once (nothing listens there)."""
     host, port = tracker_addr
-    try:
-        return wire.connect((host, port), secret, inline=inline, **kwargs)
-    except (OSError, ConnectionError) as e:
-        shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        raise PeerConnectionError(
-            f"executor {socket.gethostname()} cannot reach the spark-share tracker on the driver at {shown} "
-            f"({type(e).__name__}: {e}). Executors must reach the driver on this address and port: set "
-            "spark.driver.host (or SPARK_SHARE_BIND_HOST on the driver) to an address they can reach, and the "
-            "source option 'trackerPort' to a port or range your firewall opens") from None
+    deadline = time.monotonic() + CONNECT_WAIT_S
+    while True:
+        try:
+            return wire.connect((host, port), secret, inline=inline, timeout=CONNECT_ATTEMPT_S, **kwargs)
+        except OSError as e:
+            cut = isinstance(e, TimeoutError) or e.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH)
+            if cut and time.monotonic() < deadline:
+                if not isinstance(e, TimeoutError):
+                    time.sleep(CONNECT_ATTEMPT_S / 4)  # no route yet: a bounded pause before the next attempt
+                continue
+            shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            raise PeerConnectionError(
+                f"executor {socket.gethostname()} cannot reach the spark-share tracker on the driver at {shown} "
+                f"({type(e).__name__}: {e}). Executors must reach the driver on this address and port: set "
+                "spark.driver.host (or SPARK_SHARE_BIND_HOST on the driver) to an address they can reach, and the "
+                "source option 'trackerPort' to a port or range your firewall opens") from None
 
 
 def main() -> None:

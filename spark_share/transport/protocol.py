@@ -74,7 +74,6 @@ class Claim(Message):
     slot: int
     query_id: str | None = None
     spark_batch: int | None = None
-    lent: int = 0
     connect_session: str | None = None  # the Spark Connect session of the reading job (foreachBatch under Connect)
     carrying: int = 0  # records the asking agent's session for this read carries from earlier polls
 
@@ -252,7 +251,6 @@ class Read(Message):
     poll_timeout_ms: int = 1000
     query_id: str | None = None
     spark_batch: int | None = None
-    lent: int = 0
     connect_session: str | None = None
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import psutil
 
-KINDS = ("driver", "JVM", "runner", "agent", "python workers")
+KINDS = ("driver", "JVM", "runner", "agent", "python workers", "executor JVM", "Spark daemons")
 METRICS = ("rss_mib", "fds", "threads", "sockets")
 
 
@@ -31,6 +31,10 @@ def process_kind(p: psutil.Process, driver_pid: int | None = None) -> str | None
     cmd = " ".join(p.cmdline() or [])
     if "org.apache.spark.deploy.SparkSubmit" in cmd:
         return "JVM"
+    if "CoarseGrainedExecutorBackend" in cmd:  # a cluster's executors (local mode has none)
+        return "executor JVM"
+    if "org.apache.spark.deploy.master.Master" in cmd or "org.apache.spark.deploy.worker.Worker" in cmd:
+        return "Spark daemons"
     for needle, kind in (("spark_share.executor.agent", "agent"), ("python_streaming_source_runner", "runner"),
                          ("pyspark.daemon", "python workers"), ("pyspark/daemon", "python workers"),
                          ("pyspark.worker", "python workers")):
@@ -101,7 +105,7 @@ def _fds(pid: int) -> tuple[int, int]:
     return fds, socks
 
 
-def _tree(path: str, logs: bool | None = None) -> tuple[int, int]:
+def files_under(path: str, logs: bool | None = None) -> tuple[int, int]:
     """(files, bytes) under ``path``; ``logs`` True: only log files, False: all but log files."""
     files = size = 0
     for root, _dirs, names in os.walk(path):
@@ -115,6 +119,32 @@ def _tree(path: str, logs: bool | None = None) -> tuple[int, int]:
             except OSError:
                 pass
     return files, size
+
+
+def measure(processes: dict[int, tuple[str, psutil.Process]]) -> dict[str, dict]:
+    """Per process kind: the number of ``processes`` of that kind and their sums of RSS (MiB), open
+    files, threads (a JVM's without Spark's bounded pools, counted apart) and sockets."""
+    kinds: dict[str, dict] = {k: {"n": 0, "rss_mib": 0.0, "fds": 0, "threads": 0, "sockets": 0} for k in KINDS}
+    for pid, (kind, p) in processes.items():
+        try:
+            with p.oneshot():
+                if p.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                rss, threads = p.memory_info().rss, p.num_threads()
+        except psutil.Error:
+            continue
+        fds, socks = _fds(pid)
+        k = kinds[kind]
+        k["n"] += 1
+        k["rss_mib"] += rss / 2**20
+        k["fds"] += fds
+        if kind in ("JVM", "executor JVM"):
+            pooled = _bounded_pool_threads(pid)
+            k["bounded_pool_threads"] = k.get("bounded_pool_threads", 0) + pooled
+            threads -= pooled
+        k["threads"] += threads
+        k["sockets"] += socks
+    return kinds
 
 
 class ResourceSampler:
@@ -155,34 +185,15 @@ class ResourceSampler:
                 return
 
     def sample(self) -> dict:
-        kinds = {k: {"n": 0, "rss_mib": 0.0, "fds": 0, "threads": 0, "sockets": 0} for k in KINDS}
-        for pid, (kind, p) in run_processes(self.driver_pid, self.runtime_dir).items():
-            try:
-                with p.oneshot():
-                    if p.status() == psutil.STATUS_ZOMBIE:
-                        continue
-                    rss, threads = p.memory_info().rss, p.num_threads()
-            except psutil.Error:
-                continue
-            fds, socks = _fds(pid)
-            k = kinds[kind]
-            k["n"] += 1
-            k["rss_mib"] += rss / 2**20
-            k["fds"] += fds
-            if kind == "JVM":
-                pooled = _bounded_pool_threads(pid)
-                k["bounded_pool_threads"] = k.get("bounded_pool_threads", 0) + pooled
-                threads -= pooled
-            k["threads"] += threads
-            k["sockets"] += socks
-        files, size = _tree(self.runtime_dir, logs=False)
-        _, log_bytes = _tree(self.runtime_dir, logs=True)
+        kinds = measure(run_processes(self.driver_pid, self.runtime_dir))
+        files, size = files_under(self.runtime_dir, logs=False)
+        _, log_bytes = files_under(self.runtime_dir, logs=True)
         for path in self.extra_logs:
             try:
                 log_bytes += os.stat(path).st_size
             except OSError:
                 pass
-        ck_files, _ = _tree(self.checkpoint)
+        ck_files, _ = files_under(self.checkpoint)
         out = {"t": round(time.monotonic() - self._t0, 2), "kinds": kinds,
                "runtime_files": files, "runtime_bytes": size, "log_bytes": log_bytes, "checkpoint_files": ck_files}
         if self.py4j_counts:

@@ -200,24 +200,43 @@ class NamespaceCluster:
                                        "--port", str(MASTER_PORT), "--webui-port", "8080"],
                             env=self._spark_env("driver"), log_name="master.log")
         _wait_port(self.ns("driver"), drv, MASTER_PORT, 120, master, "the Spark master", master.log_path)
+        self.master = master
         self.workers = {}
-        for host, ip in self.hosts.items():
-            if host == "driver":
-                continue
-            w = self.spawn(host, [spark_class, "org.apache.spark.deploy.worker.Worker", self.master_url,
-                                  "--host", ip, "--port", "7078", "--webui-port", "8081", "--cores", str(self.cores),
-                                  "--memory", self.memory, "--work-dir", "/tmp/spark-work"],
-                           env=self._spark_env(host), log_name=f"worker-{host}.log")
-            self.workers[host] = w
-        for host, w in self.workers.items():
-            _wait_port(self.ns(host), self.hosts[host], 7078, 120, w, f"the Spark worker on {host}", w.log_path)
+        for host in self.hosts:
+            if host != "driver":
+                self.workers[host] = self._start_worker(host)
+        for host in self.workers:
+            self._wait_worker(host, registrations=1)
+
+    def _start_worker(self, host: str) -> subprocess.Popen:
+        spark_class = os.path.join(self.spark_home, "bin", "spark-class")
+        return self.spawn(host, [spark_class, "org.apache.spark.deploy.worker.Worker", self.master_url,
+                                 "--host", self.hosts[host], "--port", "7078", "--webui-port", "8081",
+                                 "--cores", str(self.cores), "--memory", self.memory, "--work-dir", "/tmp/spark-work"],
+                          env=self._spark_env(host), log_name=f"worker-{host}.log")
+
+    def _wait_worker(self, host: str, registrations: int) -> None:
+        """Until ``host``'s worker listens and the master has registered it ``registrations`` times (an app
+        asks for executors only once the master has them all)."""
+        w = self.workers[host]
+        _wait_port(self.ns(host), self.hosts[host], 7078, 120, w, f"the Spark worker on {host}", w.log_path)
         deadline = time.monotonic() + 120
-        for host, ip in self.hosts.items():  # the master has them all before an app asks for executors
-            while host != "driver" and f"Registering worker {ip}:7078" not in _tail(master.log_path, 1 << 20):
-                if time.monotonic() > deadline or master.poll() is not None:
-                    raise RuntimeError(f"the worker on {host} did not register with the master: "
-                                       f"{_tail(self.workers[host].log_path)}")
-                time.sleep(0.5)
+        line = f"Registering worker {self.hosts[host]}:7078"
+        while _tail(self.master.log_path, 1 << 22).count(line) < registrations:
+            if time.monotonic() > deadline or self.master.poll() is not None:
+                raise RuntimeError(f"the worker on {host} did not register with the master: {_tail(w.log_path)}")
+            time.sleep(0.5)  # a bounded poll of a log file: nothing to wait on
+
+    def revive(self, host: str) -> None:
+        """``host`` comes back after ``kill_host``: the broker forwarded to it again, its Spark worker
+        started and registered with the master."""
+        for port in sorted(self._forwarded):
+            self._forward_into(host, port)
+        for port in sorted(self._forwarded):
+            self._wait_forwarded_on(host, port)
+        before = _tail(self.master.log_path, 1 << 22).count(f"Registering worker {self.hosts[host]}:7078")
+        self.workers[host] = self._start_worker(host)
+        self._wait_worker(host, registrations=before + 1)
 
     def forward(self, bootstrap_servers: str) -> None:
         """Make each broker of ``bootstrap_servers`` (127.0.0.1:port in this process's namespace)
@@ -232,22 +251,24 @@ class NamespaceCluster:
                                     start_new_session=True)
             self._procs.append(root)
             for host in self.hosts:
-                p = subprocess.Popen(["ip", "netns", "exec", self.ns(host), "socat",
-                                      f"TCP-LISTEN:{port},bind=127.0.0.1,fork,reuseaddr",
-                                      f"TCP:{self.bridge_ip}:{port}"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-                self._procs.append(p)
-            self._wait_forwarded(port)
+                self._forward_into(host, port)
+            for host in self.hosts:
+                self._wait_forwarded_on(host, port)
 
-    def _wait_forwarded(self, port: int) -> None:
+    def _forward_into(self, host: str, port: int) -> None:
+        p = subprocess.Popen(["ip", "netns", "exec", self.ns(host), "socat",
+                              f"TCP-LISTEN:{port},bind=127.0.0.1,fork,reuseaddr", f"TCP:{self.bridge_ip}:{port}"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self._procs.append(p)
+
+    def _wait_forwarded_on(self, host: str, port: int) -> None:
         probe = f"import socket; socket.create_connection(('127.0.0.1', {port}), 1).close()"
-        for host in self.hosts:
-            deadline = time.monotonic() + 30
-            while subprocess.run(["ip", "netns", "exec", self.ns(host), sys.executable, "-c", probe],
-                                 capture_output=True).returncode != 0:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the broker port {port} is not reachable from {host}")
-                time.sleep(0.2)
+        deadline = time.monotonic() + 30
+        while subprocess.run(["ip", "netns", "exec", self.ns(host), sys.executable, "-c", probe],
+                             capture_output=True).returncode != 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the broker port {port} is not reachable from {host}")
+            time.sleep(0.2)
 
     def pids(self, host: str) -> list[int]:
         """Every process on ``host`` (in its network namespace)."""
