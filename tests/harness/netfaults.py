@@ -21,8 +21,10 @@ import subprocess
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
-from harness.spark_hosts import NamespaceCluster
+if TYPE_CHECKING:  # a type only: this file also runs as the delayer, inside a host, without the harness
+    from harness.spark_hosts import NamespaceCluster
 
 
 def _in(cluster: NamespaceCluster, host: str, *argv: str) -> None:
