@@ -36,7 +36,7 @@ from harness import scale_sim  # noqa: E402
 WARMUP = 20  # batches left out of the figures (connections, caches, the ledger reaching its steady size)
 
 
-def summarize(r: scale_sim.SimResult, agents: int, slots: int) -> dict:
+def summarize(r: scale_sim.SimResult, agents: int, slots: int, placement: str) -> dict:
     rows = r.batches[WARMUP:] if len(r.batches) > 2 * WARMUP else r.batches
     adds = [b["latestOffsetMs"] + b["partitionsMs"] + b["claimP50Ms"] + b["acquiredP50Ms"] for b in rows]
     rss = [b["rssMb"] for b in rows]
@@ -46,6 +46,7 @@ def summarize(r: scale_sim.SimResult, agents: int, slots: int) -> dict:
         mean_x, mean_y = (n - 1) / 2, statistics.fmean(rss)
         slope = sum((i - mean_x) * (y - mean_y) for i, y in enumerate(rss)) / sum((i - mean_x) ** 2 for i in range(n))
     return {"agents": agents, "slotsPerAgent": slots, "slots": agents * slots, "batches": len(r.batches),
+            "placement": placement,
             "trackerAddsMsMedian": round(statistics.median(adds), 1),
             "trackerAddsMsP95": round(sorted(adds)[int(0.95 * (len(adds) - 1))], 1),
             "latestOffsetMsMedian": round(statistics.median(b["latestOffsetMs"] for b in rows), 1),
@@ -56,19 +57,23 @@ def summarize(r: scale_sim.SimResult, agents: int, slots: int) -> dict:
             "rssMbStart": rss[0], "rssMbEnd": rss[-1], "rssMbPer100Batches": round(slope * 100, 2),
             "bytesSentPerBatch": int(statistics.median(b["bytesSent"] for b in rows)),
             "mostMembers": r.most_members, "memberLimit": r.member_limit,
+            "lentReads": r.batches[-1].get("relayed", 0), "idleClosed": r.batches[-1].get("closed", 0),
+            "reads": agents * slots * len(r.batches),
             "acked": r.final.get("accepted"), "failed": r.final.get("failed")}
 
 
 def table(sizes: list[dict]) -> str:
     head = ("| agents x slots | tracker adds per batch, median (p95) | latestOffset | claim / acquired round trip | "
-            "tracker CPU per batch | threads | RSS start -> end (per 100 batches) | sent per batch | members (cap) |")
-    lines = [head, "|" + "---|" * 9]
+            "tracker CPU per batch | threads | RSS start -> end (per 100 batches) | sent per batch | members (cap) | "
+            "reads lent at the cap |")
+    lines = [head, "|" + "---|" * 10]
     for s in sizes:
-        lines.append(f"| {s['agents']} x {s['slotsPerAgent']} | {s['trackerAddsMsMedian']} ms ({s['trackerAddsMsP95']}) | "
+        lines.append(f"| {s['agents']} x {s['slotsPerAgent']}, {s['batches']} batches, {s['placement']} placement | "
+                     f"{s['trackerAddsMsMedian']} ms ({s['trackerAddsMsP95']}) | "
                      f"{s['latestOffsetMsMedian']} ms | {s['claimRttMsMedian']} / {s['acquiredRttMsMedian']} ms | "
                      f"{s['trackerCpuMsPerBatch']} ms | {s['threadsMax']} | {s['rssMbStart']} -> {s['rssMbEnd']} MB "
                      f"({s['rssMbPer100Batches']:+.2f}) | {s['bytesSentPerBatch'] / 1024:.0f} KB | "
-                     f"{s['mostMembers']} ({s['memberLimit']}) |")
+                     f"{s['mostMembers']} ({s['memberLimit']}) | {s['lentReads']:,} of {s['reads']:,} |")
     return "\n".join(lines)
 
 
@@ -80,6 +85,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--batches", type=int, default=1000)
     ap.add_argument("--placement", choices=["sticky", "random"], default="sticky")
     ap.add_argument("--rejects", type=int, default=2_000_000, help="rows reject()ed in one batch (0: none)")
+    ap.add_argument("--random-batches", type=int, default=200,
+                    help="then the largest size with random placement (Spark's tasks anywhere) for this many batches")
     ap.add_argument("--out", default="docs/results/scale")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -88,7 +95,16 @@ def main(argv: list[str]) -> int:
         t0 = time.monotonic()
         r = scale_sim.run(agents, args.slots, args.partitions, args.batches, args.placement,
                           concurrency=min(4 * agents, 256))
-        s = summarize(r, agents, args.slots)
+        s = summarize(r, agents, args.slots, args.placement)
+        s["wallS"] = round(time.monotonic() - t0)
+        sizes.append(s)
+        print(json.dumps(s), flush=True)
+    if args.random_batches:
+        agents = max(int(a) for a in args.agents.split(","))
+        t0 = time.monotonic()
+        r = scale_sim.run(agents, args.slots, args.partitions, args.random_batches, "random",
+                          concurrency=min(4 * agents, 256))
+        s = summarize(r, agents, args.slots, "random")
         s["wallS"] = round(time.monotonic() - t0)
         sizes.append(s)
         print(json.dumps(s), flush=True)
