@@ -52,7 +52,7 @@ from ..transport.protocol import (
 from . import backlog
 from .acks import AGENT_LOST, Acknowledger
 from .agents import AgentRoster, agent_of, one_host
-from .batches import ACKING, FINISHED, BatchState
+from .batches import ACKING, FINISHED, VOID, BatchState
 from .commitlog import CommitLog
 from .ledger import BatchLedger
 from .members import IDLE_BATCHES, MemberBook
@@ -363,22 +363,39 @@ class Tracker:
             last = self.batches.get(last_batch)
             goes_on = self._decide(last)
             unpolled = self._unpolled(last) if goes_on else []
-        for conn in unpolled:
+        for agent, conn in unpolled:
             # A drain waits for partitions no poll of its own answered; consumers of the query that no
             # read polled in that batch may hold them: they leave, and the broker gives their partitions
             # to polled ones.
-            call_async(conn, Trim(last_batch, 0.0))
+            self._trim(agent, conn, Trim(last_batch, 0.0))
         return goes_on
 
-    def _unpolled(self, last: BatchState | None) -> list[wire.RpcConnection]:
-        """After an empty batch of a drain with unanswered partitions, once: the connections of agents
-        holding consumers that no read of that batch polled. Call with the ledger's lock held."""
-        if (last is None or last.rows or self.policy.available_now_target is None or not self.policy.unresolved()
-                or self._drain_trimmed >= last.batch):
+    def _trim(self, agent: str, conn: wire.RpcConnection, m: Trim):
+        """Ask ``agent`` to close idle consumers; its answer (on the wire's thread) says how many it closed,
+        and the member count drops by that many: a count left high would keep the query at its cap with
+        no consumer open, every read empty."""
+        f = call_async(conn, m)
+
+        def closed(f):
+            if f.cancelled() or f.exception() is not None:  # gone or slow: asked again after a while
+                return
+            rep, _ = f.result()
+            with self.ledger.lock:
+                self.members.closed(agent, int(rep["closed"]))
+
+        f.add_done_callback(closed)
+        return f
+
+    def _unpolled(self, last: BatchState | None) -> list[tuple[str, wire.RpcConnection]]:
+        """After an empty batch of a drain with unanswered partitions, once: the agents (and connections)
+        holding consumers that no read of that batch polled; never after a replayed batch, which polls
+        nothing. Call with the ledger's lock held."""
+        if (last is None or last.rows or last.state == VOID or self.policy.available_now_target is None
+                or not self.policy.unresolved() or self._drain_trimmed >= last.batch):
             return []
         self._drain_trimmed = last.batch
         used = Counter(a["agent"] for a in last.acquired.values() if a.get("session"))
-        return [self.agents[name] for name, a in self.members.agents.items()
+        return [(name, self.agents[name]) for name, a in self.members.agents.items()
                 if a.members > used[name] and name in self.agents]
 
     def _decide(self, last: BatchState | None) -> bool:
@@ -442,15 +459,8 @@ class Tracker:
                 return
             self.members.settled(b.batch)
             asked = [(a, self.agents.get(a)) for a in self.members.idle(b.batch, idle_s)]
-        futures = {a: call_async(conn, Trim(b.batch - IDLE_BATCHES + 1, idle_s)) for a, conn in asked if conn}
-        wait_futures(list(futures.values()), timeout=TRIM_TIMEOUT_S)
-        for a, f in futures.items():
-            try:
-                rep, _ = f.result(timeout=0)
-            except Exception:  # gone or slow: asked again after a while
-                continue
-            with self.ledger.lock:
-                self.members.closed(a, int(rep["closed"]))
+        wait_futures([self._trim(a, conn, Trim(b.batch - IDLE_BATCHES + 1, idle_s)) for a, conn in asked if conn],
+                     timeout=TRIM_TIMEOUT_S)
 
     # progress -----------------------------------------------------------------------------
     def _estimate_backlog(self) -> None:
