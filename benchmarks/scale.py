@@ -4,6 +4,7 @@ x 8 read slots, on a 10,000-partition topic, for many batches; then two million 
 
     .venv/bin/python benchmarks/scale.py                       # 10/100/500 agents, 1,000 batches each
     .venv/bin/python benchmarks/scale.py --batches 50 --agents 10,100 --out /tmp/scale
+    .venv/bin/python benchmarks/scale.py --batches 1000,1000,200       # batches per size
 
 Per size, per batch (the first batches, while connections and caches warm up, are left out):
 
@@ -82,7 +83,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--agents", default="10,100,500", help="agent counts, comma-separated")
     ap.add_argument("--slots", type=int, default=8, help="read slots per agent")
     ap.add_argument("--partitions", type=int, default=10_000)
-    ap.add_argument("--batches", type=int, default=1000)
+    ap.add_argument("--batches", default="1000", help="batches per size: one count, or one per agent count")
     ap.add_argument("--placement", choices=["sticky", "random"], default="sticky")
     ap.add_argument("--rejects", type=int, default=2_000_000, help="rows reject()ed in one batch (0: none)")
     ap.add_argument("--random-batches", type=int, default=200,
@@ -91,9 +92,13 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     sizes = []
-    for agents in (int(a) for a in args.agents.split(",")):
+    counts = [int(a) for a in args.agents.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    if len(batches) not in (1, len(counts)):
+        ap.error(f"--batches names {len(batches)} counts for {len(counts)} agent counts: give one, or one per agent count")
+    for agents, n in zip(counts, batches * len(counts) if len(batches) == 1 else batches):
         t0 = time.monotonic()
-        r = scale_sim.run(agents, args.slots, args.partitions, args.batches, args.placement,
+        r = scale_sim.run(agents, args.slots, args.partitions, n, args.placement,
                           concurrency=min(4 * agents, 256))
         s = summarize(r, agents, args.slots, args.placement)
         s["wallS"] = round(time.monotonic() - t0)

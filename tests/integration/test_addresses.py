@@ -78,7 +78,7 @@ def test_an_executor_that_cannot_reach_the_tracker_is_told_the_address_and_the_o
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # nobody listens there once the socket is closed
     with pytest.raises(ConnectionError) as e:
-        _connect_tracker(("127.0.0.1", port), "s3cret-value", timeout=5)
+        _connect_tracker(("127.0.0.1", port), "s3cret-value")
     text = str(e.value)
     assert f"127.0.0.1:{port}" in text and "spark.driver.host" in text and "'trackerPort'" in text
     assert "s3cret-value" not in text
