@@ -69,6 +69,10 @@ def table(sizes: list[dict]) -> str:
             "reads lent at the cap |")
     lines = [head, "|" + "---|" * 10]
     for s in sizes:
+        if "error" in s:
+            lines.append(f"| {s['agents']} x {s['slotsPerAgent']}, {s['placement']} placement | failed: {s['error'][:200]} |"
+                         + " |" * 8)
+            continue
         lines.append(f"| {s['agents']} x {s['slotsPerAgent']}, {s['batches']} batches, {s['placement']} placement | "
                      f"{s['trackerAddsMsMedian']} ms ({s['trackerAddsMsP95']}) | "
                      f"{s['latestOffsetMsMedian']} ms | {s['claimRttMsMedian']} / {s['acquiredRttMsMedian']} ms | "
@@ -76,6 +80,12 @@ def table(sizes: list[dict]) -> str:
                      f"({s['rssMbPer100Batches']:+.2f}) | {s['bytesSentPerBatch'] / 1024:.0f} KB | "
                      f"{s['mostMembers']} ({s['memberLimit']}) | {s['lentReads']:,} of {s['reads']:,} |")
     return "\n".join(lines)
+
+
+def write(args, sizes: list[dict], rejects: dict | None) -> None:
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"sizes": sizes, "rejects": rejects, "partitions": args.partitions, "placement": args.placement},
+                  f, indent=1)
 
 
 def main(argv: list[str]) -> int:
@@ -104,15 +114,20 @@ def main(argv: list[str]) -> int:
         s["wallS"] = round(time.monotonic() - t0)
         sizes.append(s)
         print(json.dumps(s), flush=True)
+        write(args, sizes, None)  # each size as it ends: a later one that fails keeps these
     if args.random_batches:
         agents = max(int(a) for a in args.agents.split(","))
         t0 = time.monotonic()
-        r = scale_sim.run(agents, args.slots, args.partitions, args.random_batches, "random",
-                          concurrency=min(4 * agents, 256))
-        s = summarize(r, agents, args.slots, "random")
+        try:
+            r = scale_sim.run(agents, args.slots, args.partitions, args.random_batches, "random",
+                              concurrency=min(4 * agents, 256))
+            s = summarize(r, agents, args.slots, "random")
+        except AssertionError as e:  # a failed run is a result too: the table says so
+            s = {"agents": agents, "slotsPerAgent": args.slots, "placement": "random", "error": str(e)[:500]}
         s["wallS"] = round(time.monotonic() - t0)
         sizes.append(s)
         print(json.dumps(s), flush=True)
+        write(args, sizes, None)
     rejects = None
     if args.rejects:
         agents = max(int(a) for a in args.agents.split(","))
@@ -121,9 +136,7 @@ def main(argv: list[str]) -> int:
                           rows_per_slot=rows, rejects=args.rejects)
         rejects = {**(r.rejects or {}), "agents": agents, "rowsPerSlot": rows, "rejected": r.final.get("rejected")}
         print(json.dumps({"rejects": rejects}), flush=True)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"sizes": sizes, "rejects": rejects, "partitions": args.partitions, "placement": args.placement},
-                  f, indent=1)
+    write(args, sizes, rejects)
     text = table(sizes)
     if rejects:
         text += (f"\n\n{rejects['rows']:,} rejects in one batch of {rejects['agents']} agents: {rejects['chunks']} chunks, "

@@ -48,6 +48,7 @@ class AgentRoster:
         self.members = MemberBook(policy.num_slots)  # the tracker gives its own once the slots are known
         self.relays = 0  # re-reads served from another host's agent, through this process
         self.relayed_bytes = 0
+        self.lost_at: float | None = None  # time.monotonic() of the last agent that left while the query ran
 
     def joined(self, conn: wire.RpcConnection, m: Hello, latest: BatchState | None) -> dict:
         """Note an agent and tell it how to start; a batch planned before it joined starts polling now."""
@@ -83,6 +84,7 @@ class AgentRoster:
                 self.members.left(agent_id)
             self.policy.forget_agent(agent_id)  # what it carried goes back to the group with its sessions
         if not stopping:
+            self.lost_at = time.monotonic()
             log.warning("agent %s disconnected; records it held go back to the share group", agent_id)
 
     def prefetch(self, b: BatchState) -> bool:
@@ -128,12 +130,12 @@ class AgentRoster:
                 h["slots"] += per_agent[agent_id]
         return hosts
 
-    def stop_all(self, wait_s: float) -> None:
-        """Ask every agent to stop (closing its consumers releases what it still holds); wait, bounded."""
+    def stop_all(self, wait_s: float) -> bool:
+        """Ask every agent to stop (closing its consumers releases what it still holds); wait, bounded.
+        True when every one had closed its consumers and its connection in time."""
         with self.lock:
             conns = list(self.conns.values())
         for c in conns:
             call_async(c, Shutdown())
         deadline = time.monotonic() + wait_s
-        for c in conns:
-            c.wait_closed(max(0.0, deadline - time.monotonic()))
+        return all([c.wait_closed(max(0.0, deadline - time.monotonic())) for c in conns])

@@ -67,11 +67,11 @@ class BatchLedger:
             b = self.batches.get(batch)
             if b is None:
                 b = self.batches[batch] = BatchState(batch, 0, None, state=VOID)
-                self.policy.earlier_batch_replayed(time.monotonic())
+                self.policy.earlier_batch_replayed(batch, time.monotonic())
                 log.warning("spark-share batch %d was planned by an earlier run of this query: Spark replays it, "
                             "and it reads nothing (the records that run held were released, or, if it died, come "
-                            "back when their lock expires: a drain waits that long for them; they come back in "
-                            "later batches)", batch)
+                            "back when their lock expires: a drain waits that long for them, unless that run "
+                            "stopped cleanly on this host; they come back in later batches)", batch)
             if self.stopping or b.state != PLANNED:
                 return None
             return b

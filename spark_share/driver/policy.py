@@ -104,6 +104,7 @@ class BatchPolicy:
         self.left_unread: list[Partition] = []
         # AvailableNow after an earlier run died in a batch: until then its records may still be locked.
         self.locked_elsewhere_until: float | None = None
+        self.replayed_batch: int | None = None
         self.waiting_for_locks = False
         # Set once an AvailableNow run has seen everything: one last batch without tasks acknowledges
         # the previous one and reports the totals in its progress, without an empty poll.
@@ -170,11 +171,18 @@ class BatchPolicy:
             return True
         return now - self.last_plan_time >= self.idle_probe_ms / 1000.0
 
-    def earlier_batch_replayed(self, now: float) -> None:
-        """Spark replays a batch an earlier run of the query planned and did not commit: that run stopped
-        in the middle of it. If it died (its driver host lost), the records it held stay locked until their
-        lock expires, then come back: a drain waits for them that long (``_available_now_goes_on``)."""
+    def earlier_batch_replayed(self, batch: int, now: float) -> None:
+        """Spark replays ``batch``, which an earlier run of the query planned and did not commit: that run
+        stopped in the middle of it. If it died (its driver host lost), the records it held stay locked until
+        their lock expires, then come back: a drain waits for them that long (``_available_now_goes_on``),
+        unless that run is known to have let go of everything (``earlier_run_let_go``)."""
+        self.replayed_batch = batch
         self.locked_elsewhere_until = now + self.lock_ms / 1000.0
+
+    def earlier_run_let_go(self) -> None:
+        """The run that planned the replayed batch stopped cleanly: every record it held was acknowledged
+        and answered, and its consumers closed. Nothing of it is locked: no wait."""
+        self.locked_elsewhere_until = None
 
     def _available_now_goes_on(self, last: BatchState | None, now: float) -> bool:
         goes_on = self._available_now_decision(last, now)

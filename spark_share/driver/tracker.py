@@ -115,6 +115,7 @@ class Tracker:
         self._drain_decided = -2  # the batch after which a drain last decided whether it goes on
         self._left_reported = False  # a drain that ended with partitions unanswered said so
         self._drain_trimmed = -1  # the last empty batch after which a drain closed unpolled consumers
+        self._earlier_run_checked = False  # a replayed batch's run looked up in its final counts
         self.commit_log: CommitLog | None = None  # Spark's commit log of the query, once the listener noted it
         # Created before the watcher, whose thread asks it whether the stream is idle; the slots are
         # known once the watcher has listed the partitions.
@@ -401,6 +402,7 @@ class Tracker:
     def _decide(self, last: BatchState | None) -> bool:
         """The policy's answer for a batch after ``last``; a drain that ends with partitions no poll of
         the query answered says so, once. Call with the ledger's lock held."""
+        self._earlier_run_let_go()
         goes_on = self.policy.should_run(last, self.metadata.version, time.monotonic())
         if not goes_on and self.policy.left_unread and not self._left_reported:
             self._left_reported = True
@@ -507,6 +509,30 @@ class Tracker:
                                 "waitedForLockedRecords": self.policy.waiting_for_locks}
         return out
 
+    def _let_go_of(self, agents_closed: bool, failed_before: int) -> int | None:
+        """At a stop: the last batch this run planned if it holds nothing of the group any more (every batch
+        answered by the broker, no acknowledgement failed at the stop, every agent closed its consumers, none
+        lost within a record lock), else None. A later run that replays that batch need not wait for locks."""
+        lost = self.roster.lost_at
+        with self.ledger.lock:
+            if (not self.batches or not agents_closed or self.ledger.totals.failed != failed_before
+                    or any(b.state not in FINISHED for b in self.batches.values())
+                    or (lost is not None and time.monotonic() - lost < self.policy.lock_ms / 1000.0)):
+                return None
+            return max(self.batches)
+
+    def _earlier_run_let_go(self) -> None:
+        """A drain that replays a batch of an earlier run: if that run (on this host) stopped holding nothing,
+        no record of it is locked and the drain does not wait for any. Call with the ledger's lock held."""
+        if self.policy.locked_elsewhere_until is None or self.query_id is None or self._earlier_run_checked:
+            return
+        self._earlier_run_checked = True
+        final = runtime.read_json(runtime.final_counts_path(self.query_id)) or {}
+        if final.get("letGoOfBatch") == self.policy.replayed_batch:
+            self.policy.earlier_run_let_go()
+            log.info("spark-share tracker %s: the run that planned batch %d stopped holding nothing: the drain "
+                     "waits for no locked record", self.tracker_id, self.policy.replayed_batch)
+
     # shutdown -----------------------------------------------------------------------------
     def shutdown(self) -> None:
         """ACCEPT the batches Spark committed (it said so, or its commit log shows it), RELEASE every
@@ -522,6 +548,7 @@ class Tracker:
             return
         try:
             self._learn_commit_log()
+            failed_before = self.ledger.totals.failed
             for b in pending:
                 if self.ledger.committed(b, self.commit_log):
                     b.committed_at = time.time()
@@ -533,13 +560,15 @@ class Tracker:
                 self.ledger.wait_acked(max(self.batches), (ACKING,), timeout=SHUTDOWN_WAIT_S)
                 self.ledger.wait_acked(max(self.batches), timeout=SHUTDOWN_WAIT_S)
             self.acks.close()
-            self.roster.stop_all(SHUTDOWN_WAIT_S)
+            agents_closed = self.roster.stop_all(SHUTDOWN_WAIT_S)
             self.server.close()
             self.metadata.close()
             final = self.progress()
             if self.query_id is not None:  # before the registry entry goes: status() waits for one or the other
-                runtime.write_private_json(runtime.final_counts_path(self.query_id),
-                                           {**final, "query": self.query_id, "view": "final"})
+                runtime.write_private_json(runtime.final_counts_path(self.query_id), {
+                    **final, "query": self.query_id, "view": "final",
+                    "waitedForLockedRecords": self.policy.waiting_for_locks,
+                    "letGoOfBatch": self._let_go_of(agents_closed, failed_before)})
             self.registration.remove()
             log.info("spark-share tracker %s stopped: %s", self.tracker_id, json.dumps(final))
             runtime.stop_logging_to(self._log_file)

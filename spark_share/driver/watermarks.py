@@ -194,7 +194,9 @@ class MetadataWatcher:
             self.refresh()
 
     def _loop(self) -> None:
-        while not self._stop.wait(max(MIN_INTERVAL_S, self._refresh_took / REFRESH_DUTY)):
+        # A refresh that waited on the network (the first one connects) stretches the pause no further
+        # than the backlog's own interval: the estimate must move while a backlog lasts.
+        while not self._stop.wait(min(BACKLOG_REFRESH_S, max(MIN_INTERVAL_S, self._refresh_took / REFRESH_DUTY))):
             if self._wanted() or time.monotonic() - self._refreshed_at >= BACKLOG_REFRESH_S:
                 self.refresh()
                 try:

@@ -300,7 +300,7 @@ def agents_main(args) -> None:
             placed = [i * len(agents) // max(1, len(slots)) for i in range(len(slots))]
         futs = [workers.submit(agents[a].read, b, s) for (b, s, _), a in zip(slots, placed)]
         wait_futures(futs, timeout=600)
-        errors = [str(f.exception()) for f in futs if f.exception() is not None]
+        errors = [f"{type(f.exception()).__name__}: {f.exception()}" for f in futs if f.exception() is not None]
         rtts = [f.result() for f in futs if f.exception() is None]
         print(json.dumps({"batch": cmd["batch"], "claimMs": [round(c, 2) for c, _ in rtts],
                           "acquiredMs": [round(a, 2) for _, a in rtts], "errors": errors[:5],

@@ -26,7 +26,7 @@ from harness.support import PacedProducer, ShareGroups, Workload, check_no_loss,
 
 pytestmark = pytest.mark.slow
 
-LOCK_S = 12  # the group's record lock; each fault lasts twice that
+LOCK_S = 20  # the group's record lock; each fault lasts twice that (a stream needs about 10 s to be back after one)
 PRODUCE = (100, 0.5)  # records every so many seconds
 RATE = PRODUCE[0] / PRODUCE[1]  # records a second
 

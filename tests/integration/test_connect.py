@@ -31,7 +31,7 @@ from harness.support import (
     summary_count,
     wait_until,
 )
-from spark_share import spark_versions
+from spark_share import runtime, spark_versions
 from spark_share.errors import VerdictError
 
 pytestmark = pytest.mark.slow
@@ -357,6 +357,9 @@ def test_failure_stop_and_restart_lose_nothing(remote, kafka, tmp_path):
                message="the restarted query never reached batch 2")
     q.stop()
     assert not q.isActive
+    stopped = wait_until(lambda: runtime.read_json(runtime.final_counts_path(str(q.id))), timeout=30,
+                         message="the stopped run's tracker left no final counts")  # the server runs on this host
+    assert stopped["letGoOfBatch"] is not None, f"the stopped run held records at its end: {stopped}"
 
     q = spark_share.drain(_read(remote, kafka, group, w.topic).writeStream
          .foreachBatch(lambda batch, batch_id: batch.write.mode("append").parquet(out))
@@ -365,6 +368,10 @@ def test_failure_stop_and_restart_lose_nothing(remote, kafka, tmp_path):
     report = check_no_loss(ids, _parquet_ids(out), duplicates_reason="the failed batch and the stopped one "
                            "were written, then redelivered")
     assert report.duplicates >= len(first), "the failed batch's rows were not delivered again"
+    final = wait_until(lambda: (lambda f: f if f and f["tracker"] != stopped["tracker"] else None)(
+        runtime.read_json(runtime.final_counts_path(str(q.id)))), timeout=30, message="the drain left no final counts")
+    assert final["waitedForLockedRecords"] is False, \
+        "the stopped run let go of everything it held: the drain that replays its batch waits for no lock"
 
 
 @pytest.mark.embedded_only("the job runs the embedded demo")

@@ -86,7 +86,10 @@ def test_available_now_drains_acknowledges_and_ends(spark, kafka, tmp_path):
     second_run = time.monotonic() - t0
     print(f"AvailableNow: first run {first_run:.1f} s (600 records), second run {second_run:.1f} s (empty)")
     assert second_run < first_run + 2, (first_run, second_run)
-    assert [p["numInputRows"] for p in q2.recentProgress] == [0]
+    # It ends once a poll of its own answered each partition empty: one empty batch, or a second when the
+    # first batch's polls were answered for some partitions only (a member's assignment still coming).
+    empty = [p["numInputRows"] for p in q2.recentProgress]
+    assert empty and set(empty) == {0} and len(empty) <= 2, empty
     assert spark.read.parquet(out).count() == 600
 
 

@@ -403,7 +403,7 @@ def test_a_drain_after_an_earlier_run_died_in_a_batch_waits_a_lock_for_its_recor
     on until then, then ends as it would have."""
     p = available_now({("t", 0): 100})
     p.lock_ms = 15_000
-    p.earlier_batch_replayed(now=1000.0)
+    p.earlier_batch_replayed(7, now=1000.0)
     p.planned(0, 1000.0)
     b0 = batch(0, [(50, 99)])  # the records after the ones the dead run holds
     heard(p, b0)
@@ -419,10 +419,25 @@ def test_a_drain_after_an_earlier_run_died_in_a_batch_waits_a_lock_for_its_recor
     assert p.waiting_for_locks, "progress says why the drain ran longer"
 
 
+def test_a_drain_after_a_run_that_stopped_holding_nothing_does_not_wait():
+    """The run that planned the replayed batch stopped cleanly (its final counts on this host say it let go
+    of that batch): nothing of it is locked, and the drain ends as soon as it has read everything."""
+    p = available_now({("t", 0): 100})
+    p.lock_ms = 15_000
+    p.earlier_batch_replayed(7, now=1000.0)
+    assert p.replayed_batch == 7
+    p.earlier_run_let_go()
+    p.planned(0, 1000.0)
+    b0 = batch(0, [(0, 99)])
+    heard(p, b0)
+    assert p.should_run(b0, 0, 1001.0) and p.closing and not p.waiting_for_locks, "within the lock, it closes"
+    assert not p.should_run(batch(1, slots=0), 0, 1001.5)
+
+
 def test_a_drain_after_a_replayed_batch_closes_as_usual_once_the_lock_has_passed():
     p = available_now({("t", 0): 100})
     p.lock_ms = 15_000
-    p.earlier_batch_replayed(now=1000.0)
+    p.earlier_batch_replayed(7, now=1000.0)
     p.planned(0, 1000.0)
     b0 = batch(0, [(0, 99)])
     heard(p, b0)
