@@ -67,9 +67,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("spark_share.executor.agent")
 CLOSE_WAIT_S = 30.0  # at shutdown, for the consumers to close (their releases wait for the broker)
-# A new agent tries to reach its tracker this long (a cut of twice Kafka's default 30 s lock, and more: a
-# read task that gives up fails its Spark task, and the retry that follows took 29 s after a 40 s cut)...
-CONNECT_WAIT_S = 90.0
+CONNECT_WAIT_S = 30.0  # a new agent tries to reach its tracker this long...
 CONNECT_ATTEMPT_S = 2.0  # ...in attempts of this long
 
 

@@ -22,7 +22,7 @@ from .. import runtime
 from ..errors import AgentError
 from ..transport import wire
 
-SPAWN_TIMEOUT_S = 100.0  # past the agent's own wait for its tracker (agent.CONNECT_WAIT_S): it says why first
+SPAWN_TIMEOUT_S = 60.0
 
 
 def ensure_agent(tracker_addr: tuple[str, int], tracker_id: str, secret: str, opts,
