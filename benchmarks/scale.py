@@ -106,31 +106,27 @@ def main(argv: list[str]) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     if len(batches) not in (1, len(counts)):
         ap.error(f"--batches names {len(batches)} counts for {len(counts)} agent counts: give one, or one per agent count")
-    for agents, n in zip(counts, batches * len(counts) if len(batches) == 1 else batches):
-        t0 = time.monotonic()
-        r = scale_sim.run(agents, args.slots, args.partitions, n, args.placement,
-                          concurrency=min(4 * agents, 256))
-        s = summarize(r, agents, args.slots, args.placement)
-        s["wallS"] = round(time.monotonic() - t0)
-        sizes.append(s)
-        print(json.dumps(s), flush=True)
-        write(args, sizes, None)  # each size as it ends: a later one that fails keeps these
-    if args.random_batches:
-        agents = max(int(a) for a in args.agents.split(","))
+    def measure(agents: int, n: int, placement: str) -> None:
+        """One size: its figures (or, for a run that failed, why) printed and written as it ends, so a later
+        size that fails keeps these."""
         t0 = time.monotonic()
         try:
-            r = scale_sim.run(agents, args.slots, args.partitions, args.random_batches, "random",
-                              concurrency=min(4 * agents, 256))
-            s = summarize(r, agents, args.slots, "random")
+            r = scale_sim.run(agents, args.slots, args.partitions, n, placement, concurrency=min(4 * agents, 256))
+            s = summarize(r, agents, args.slots, placement)
         except AssertionError as e:  # a failed run is a result too: the table says so
-            s = {"agents": agents, "slotsPerAgent": args.slots, "placement": "random", "error": str(e)[:500]}
+            s = {"agents": agents, "slotsPerAgent": args.slots, "placement": placement, "error": str(e)[:500]}
         s["wallS"] = round(time.monotonic() - t0)
         sizes.append(s)
         print(json.dumps(s), flush=True)
         write(args, sizes, None)
+
+    for agents, n in zip(counts, batches * len(counts) if len(batches) == 1 else batches):
+        measure(agents, n, args.placement)
+    if args.random_batches:
+        measure(max(counts), args.random_batches, "random")
     rejects = None
     if args.rejects:
-        agents = max(int(a) for a in args.agents.split(","))
+        agents = max(counts)
         rows = -(-args.rejects // (agents * args.slots))
         r = scale_sim.run(agents, args.slots, args.partitions, 4, args.placement, concurrency=min(4 * agents, 256),
                           rows_per_slot=rows, rejects=args.rejects)
