@@ -15,16 +15,20 @@ import os
 import threading
 import time
 from collections import Counter
+from concurrent.futures import Future, InvalidStateError
 
 from ..errors import BatchRefused, ProtocolError
 from ..options import ShareSourceOptions
 from ..transport import wire
-from ..transport.protocol import Fetch, Hello, Prefetch, Shutdown, call, call_async
+from ..transport.loop import get_loop
+from ..transport.protocol import Fetch, Hello, Prefetch, Shutdown, call_async
 from .batches import PLANNED, BatchState
 from .members import MemberBook
 from .policy import BatchPolicy
 
 log = logging.getLogger("spark_share.driver.tracker")
+
+RELAY_TIMEOUT_S = 120.0  # a read relayed to another agent is answered within this, or fails
 
 
 def one_host() -> bool:
@@ -103,18 +107,38 @@ class AgentRoster:
                                       self.policy.carry_ms))
         return True
 
-    def relay(self, m: Fetch, owner: str | None) -> tuple[dict, bytes]:
+    def relay(self, m: Fetch, owner: str | None) -> Future:
         """A re-read of a slot another host's agent holds, or a read lent to it at the members' cap (it reads
-        the slot first), passed through here and let go once sent on."""
+        the slot first), passed through here and let go once sent on. The answer is a future, so no
+        tracker thread waits for the agent: a lent read may ask the tracker for a member and be lent on,
+        and threads waiting on such reads would fill the handler pool and wait on each other."""
         with self.lock:
             agent = self.conns.get(owner) if owner else None
         if agent is None:
             raise BatchRefused(f"batch {m.batch} slot {m.slot} is held by no live agent")
-        rep, blob = call(agent, m, timeout=120)
-        with self.lock:
-            self.relays += 1
-            self.relayed_bytes += len(blob)
-        return rep, blob
+        out: Future = Future()
+
+        def settle(result=None, error: BaseException | None = None) -> None:
+            try:
+                out.set_exception(error) if error is not None else out.set_result(result)
+            except InvalidStateError:  # the other of the answer and the timeout came first
+                pass
+
+        def answered(f: Future) -> None:
+            try:
+                rep, blob = f.result(timeout=0)
+            except BaseException as e:  # noqa: BLE001 - cancelled too: the read must get an answer
+                settle(error=e)
+                return
+            with self.lock:
+                self.relays += 1
+                self.relayed_bytes += len(blob)
+            settle((rep, blob))
+
+        call_async(agent, m).add_done_callback(answered)
+        get_loop().call_later(RELAY_TIMEOUT_S, lambda: settle(error=TimeoutError(
+            f"batch {m.batch} slot {m.slot}: agent {owner} did not answer a relayed read within {RELAY_TIMEOUT_S:.0f} s")))
+        return out
 
     def hosts(self, claims: list[str]) -> dict[str, dict]:
         """Per host: its agents, their group members (share consumers, as each agent last reported), and

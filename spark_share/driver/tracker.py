@@ -25,6 +25,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 
 from .. import runtime
@@ -290,7 +291,7 @@ class Tracker:
                         "consumers of the group count towards the limit too)", self.tracker_id, group,
                         self.members.wanted, self.members.cap, self.policy.num_slots)
 
-    def _on_fetch(self, conn: wire.RpcConnection, m: Fetch) -> tuple[dict, bytes]:
+    def _on_fetch(self, conn: wire.RpcConnection, m: Fetch) -> Future:
         with self.ledger.lock:
             owner = self.ledger.batches[m.batch].claims.get(m.slot)
         return self.roster.relay(m, owner)

@@ -274,13 +274,13 @@ def dispatcher(receiver: Any, receives: tuple[type[Message], ...]):
         raise ProtocolError(f"{type(receiver).__name__} receives {sorted(m.op for m in receives)} but has no {missing}")
     by_op: dict[str, tuple[type[Message], Callable]] = {m.op: (m, getattr(receiver, handler_name(m))) for m in receives}
 
-    def handle(conn, header: dict, blob: bytes) -> tuple[dict, bytes]:
+    def handle(conn, header: dict, blob: bytes) -> tuple[dict, bytes] | Future:
         op = header.get("op")
         if op not in by_op:
             raise ProtocolError(f"unknown request {op!r}")
         cls, fn = by_op[op]
         out = fn(conn, cls.parse(header), blob) if cls.carries_blob else fn(conn, cls.parse(header))
-        return out if isinstance(out, tuple) else (out, b"")
+        return out if isinstance(out, (tuple, Future)) else (out, b"")  # a future: answered later
 
     return handle
 

@@ -8,8 +8,11 @@ the query's credential, ``connect``, and the keepalive of every connection. The 
 Every connection of a process is served by that process's one loop thread (``loop.get_loop``): it
 accepts, runs servers' handshakes, reads and decrypts frames, answers keepalives and flushes what
 senders queued. Requests run on a bounded handler pool (a server's, shared by all its peers), so a
-tracker's threads do not grow with its agents. Any thread may send: it encrypts and writes what the
-socket takes at once, and queues the rest for the loop (waiting while too much is queued).
+tracker's threads do not grow with its agents. A handler that must wait for another peer returns a
+future instead of its reply, which leaves once that peer answered: no pool thread waits on a peer, so
+requests that depend on one another (a read relayed by the tracker to an agent that then asks the
+tracker) never fill the pool and wait on each other. Any thread may send: it encrypts and writes what
+the socket takes at once, and queues the rest for the loop (waiting while too much is queued).
 
 Keepalive: a connection that sent nothing for a while sends a ping, which the peer's loop answers
 at once; a connection that received nothing (no frame, no byte) for ``dead_after_s`` is closed as
@@ -123,7 +126,10 @@ def encode_frame(header: dict, blob: Blob) -> tuple[bytes, Blob]:
     return _FRAME.pack(len(h), len(blob)) + h, blob
 
 
-Handler = Callable[["RpcConnection", dict, Blob], tuple[dict, Blob]]
+# A reply (header, blob), or a future of one: a handler that waits for another peer answers once it has.
+Handler = Callable[["RpcConnection", dict, Blob], "tuple[dict, Blob] | Future"]
+
+
 def _ensure_sweep(loop) -> None:
     """Start the loop's keepalive sweep (once per loop): pings, dead peers, handshakes that take too long."""
     if getattr(loop, "swept", False):
@@ -326,15 +332,14 @@ class RpcConnection:
     def _handle(self, rid, header, blob, inline: bool = False) -> None:
         try:
             assert self._handler is not None  # requests are only handled on connections that have one
-            rep, rblob = self._handler(self, header, blob)
+            out = self._handler(self, header, blob)
+            if isinstance(out, Future):  # answered once another peer answers: no thread waits for it
+                out.add_done_callback(lambda f: self._answer_later(rid, header.get("op"), f))
+                return
+            rep, rblob = out
             rep = dict(rep or {})
-        except Exception as e:  # the peer gets the message, scrubbed: client errors may quote configs
-            log.debug("%s: handler failed for %s", self.name, header.get("op"), exc_info=True)
-            name = wire_name(e)
-            if name is not None:
-                rep, rblob = {"_error": self._scrub(str(e)), "_type": name}, b""
-            else:
-                rep, rblob = {"_error": self._scrub(f"{type(e).__name__}: {e}")}, b""
+        except Exception as e:
+            rep, rblob = self._error_reply(header.get("op"), e)
         reply = dict(rep, _id=rid, _kind="rep")
         if not inline:
             self._send_or_close(reply, rblob)
@@ -342,10 +347,7 @@ class RpcConnection:
         # On the loop, never waiting: a reply with a blob, or one that finds a sender in the middle of a
         # frame (it may be waiting for the loop to flush), leaves from the pool.
         if rblob or not self._frame_lock.acquire(blocking=False):
-            try:
-                self._pool.submit(self._send_or_close, reply, rblob)  # type: ignore[union-attr]
-            except RuntimeError:  # closing
-                pass
+            self._submit(self._send_or_close, reply, rblob)
             return
         try:
             self._encrypt(encode_frame(reply, b"")[0], wait=False)
@@ -353,6 +355,30 @@ class RpcConnection:
             self.close()
         finally:
             self._frame_lock.release()
+
+    def _error_reply(self, op, e: BaseException) -> tuple[dict, Blob]:
+        """The peer gets the message, scrubbed: client errors may quote configs."""
+        log.debug("%s: handler failed for %s", self.name, op, exc_info=e)
+        name = wire_name(e)
+        if name is not None:
+            return {"_error": self._scrub(str(e)), "_type": name}, b""
+        return {"_error": self._scrub(f"{type(e).__name__}: {e}")}, b""
+
+    def _answer_later(self, rid, op, fut: Future) -> None:
+        """The reply to a request whose handler returned a future, once it is done (on whichever thread
+        finished it, often the loop: the reply leaves from the pool)."""
+        try:
+            rep, rblob = fut.result(timeout=0)
+            rep = dict(rep or {})
+        except BaseException as e:  # noqa: BLE001 - a cancelled future too: the peer must get an answer
+            rep, rblob = self._error_reply(op, e)
+        self._submit(self._send_or_close, dict(rep, _id=rid, _kind="rep"), rblob)
+
+    def _submit(self, fn, *args) -> None:
+        try:
+            self._pool.submit(fn, *args)  # type: ignore[union-attr]
+        except RuntimeError:  # closing
+            pass
 
     def _send_or_close(self, header: dict, blob: Blob) -> None:
         try:

@@ -303,28 +303,32 @@ class ClusterSampler:
                 "checkpoint_files": resources.files_under(self.checkpoint)[0]}
 
 
-def explain(rows: list[dict], batches: list[dict], faults: list[Fault], starts: list[float]) -> tuple[Counter, int]:
+def explain(rows: list[dict], batches: list[dict], faults: list[Fault],
+            starts: list[float]) -> tuple[Counter, int, Counter]:
     """Every record written more than once: the fault (or the driver program's start) its later write
-    followed, by kind. Returns (kind -> records, records no fault explains)."""
+    followed, by kind. Returns (kind -> records, records no fault explains, and those by the (run, batch)
+    that wrote them again: where to look)."""
     from harness.support import ids_of
 
     done = {(b["run"], b["batch"]): b["t"] for b in batches}
     windows = [(f.started, (f.ended or f.started) + EFFECT_S, f.kind) for f in faults if f.started]
     windows += [(s, s + EFFECT_S + 30, "start") for s in starts]  # the joins of a start (embedded broker)
-    writes: dict[int, list[float]] = {}
+    writes: dict[int, list[tuple[float, tuple]]] = {}
     for i, r in zip(ids_of(rows), rows):
-        writes.setdefault(i, []).append(done.get((r["run"], r["batch"]), 0.0))
+        writes.setdefault(i, []).append((done.get((r["run"], r["batch"]), 0.0), (r["run"], r["batch"])))
     why: Counter = Counter()
+    where: Counter = Counter()
     unexplained = 0
-    for ts in writes.values():
-        ts.sort()
-        for first, later in zip(ts, ts[1:]):
+    for ws in writes.values():
+        ws.sort()
+        for (first, _), (later, batch) in zip(ws, ws[1:]):
             kinds = sorted({k for s, e, k in windows if s <= later and e >= first - ACQUIRED_BEFORE_S})
             if kinds:
                 why[" + ".join(kinds)] += 1
             else:
                 unexplained += 1
-    return why, unexplained
+                where[batch] += 1
+    return why, unexplained, where
 
 
 def main(argv=None) -> int:
@@ -376,8 +380,9 @@ def main(argv=None) -> int:
         rows = cluster_runs.written(shared)
         batches = cluster_runs.batches(shared)
         written = ids_of(rows)
+        done_at = {(b["run"], b["batch"]): b["t"] for b in batches}
         faults = operator.injected
-        why, unexplained = explain(rows, batches, faults, driver.starts)
+        why, unexplained, where = explain(rows, batches, faults, driver.starts)
         agents_left = {h: cluster_runs.agents_on(cluster, h) for h in cluster.hosts}
         deadline = time.monotonic() + 60
         while any(agents_left.values()) and time.monotonic() < deadline:
@@ -393,6 +398,9 @@ def main(argv=None) -> int:
             "minutes": args.minutes, "seed": args.seed, "produced": len(w.ids), "written": len(rows),
             "lost": len(ids - set(written)), "duplicates": len(written) - len(set(written)),
             "duplicatesAfter": dict(why), "unexplainedDuplicates": unexplained,
+            # the batches that wrote them again, with when they ended (s after the soak's start)
+            "unexplainedBy": [{"run": r, "batch": b, "count": n, "t": round(done_at.get((r, b), 0.0) - sampler.wall0, 1)}
+                              for (r, b), n in where.most_common(30)],
             "driverRuns": driver.runs, "driverEnds": driver.ended, "finalError": res.get("error"),
             "batches": len(batches), "agentsLeft": {h: len(p) for h, p in agents_left.items()},
             "membersLeft": len(members_left),

@@ -87,6 +87,7 @@ def tracker_main(args) -> None:
         out.flush()
 
     say({"address": list(t.address), "secret": t.secret, "tracker_id": t.tracker_id})
+    served = _time_served()
     server = t.server
     sent = lambda: sum(c.bytes_sent for c in list(server.connections))  # noqa: E731
     cpu_was, bytes_was = time.process_time(), sent()
@@ -116,11 +117,46 @@ def tracker_main(args) -> None:
              "cpuMs": round((cpu_now - cpu_was) * 1000, 1), "threads": _threads(),
              "rssMb": round(_rss_mb(), 1), "bytesSent": bytes_now - bytes_was,
              "members": t.members.total, "memberLimit": t.members.cap,
-             "acked": _last_acked(t)})
+             "acked": _last_acked(t), **served.pop_medians()})
         cpu_was, bytes_was = cpu_now, bytes_now
     final = t.status()
     reader.stop()
     say({"final": {k: final[k] for k in ("acquired", "accepted", "rejected", "failed", "members", "agents")}})
+
+
+class _Served:
+    """How long the tracker took to answer each Claim and Acquired: from the simulated agent's send (its
+    ``sentAt``, on the clock every process of this machine shares) to the tracker's reply, queueing in
+    the tracker included; what the agents' own process adds to the round trip is not."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.times: dict[str, list[float]] = {"claim": [], "acquired": []}
+
+    def add(self, op: str, ms: float) -> None:
+        with self.lock:
+            self.times[op].append(ms)
+
+    def pop_medians(self) -> dict:
+        with self.lock:
+            times, self.times = self.times, {"claim": [], "acquired": []}
+        return {f"{op}ServedP50Ms": round(statistics.median(v), 2) if v else 0.0 for op, v in times.items()}
+
+
+def _time_served() -> _Served:
+    from spark_share.transport import wire
+
+    served = _Served()
+    handle = wire.RpcConnection._handle
+
+    def timed(conn, rid, header, blob, inline=False):
+        sent = header.get("sentAt")
+        handle(conn, rid, header, blob, inline)
+        if sent is not None:
+            served.add(header["op"], (time.monotonic() - sent) * 1000)
+
+    wire.RpcConnection._handle = timed  # type: ignore[method-assign]
+    return served
 
 
 def _last_acked(t) -> dict | None:
@@ -151,11 +187,12 @@ class Members:
 class SimAgent:
     """An agent as the tracker sees it: a connection, consumers (counted, not real), answers."""
 
-    def __init__(self, index: int, address, secret: str, members: Members, partitions: int, rows: int):
+    def __init__(self, index: int, address, secret: str, members: Members, partitions: int, rows: int, query: str):
         from spark_share.transport import wire
         from spark_share.transport.protocol import TRACKER_TO_AGENT, Hello, call, dispatcher
 
         self.agent_id = f"sim-host-{index}:{1000 + index}"
+        self.query = query  # the tracker registers under it: each run its own, so two runs may share a machine
         self.host = f"sim-host-{index}"
         self.members = members
         self.partitions = partitions
@@ -187,7 +224,7 @@ class SimAgent:
         from spark_share.transport.protocol import Acquired, Claim, Fetch, Member, call
 
         t0 = time.perf_counter()
-        claim, _ = call(self.conn, Claim(batch, slot, "sim-query", batch), timeout=120)
+        claim, _ = self._timed(Claim(batch, slot, self.query, batch))
         t1 = time.perf_counter()
         if claim["owner"] != self.agent_id:
             raise AssertionError(f"batch {batch} slot {slot}: owner {claim['owner']}")
@@ -200,7 +237,7 @@ class SimAgent:
         if session is None:
             member, _ = call(self.conn, Member(batch, slot, lent), timeout=120)
             if member.get("relay"):
-                call(self.conn, Fetch(batch, slot, None, 1000, "sim-query", batch, lent + 1), timeout=120)
+                call(self.conn, Fetch(batch, slot, None, 1000, self.query, batch, lent + 1), timeout=120)
                 with self.members.lock:
                     self.members.relayed += 1
                 return (t1 - t0) * 1000, (time.perf_counter() - t1) * 1000
@@ -214,12 +251,16 @@ class SimAgent:
         first = batch * rows
         offsets = {TOPIC: {str(p): [[first, first + rows - 1]]}}
         t2 = time.perf_counter()
-        call(self.conn, Acquired(batch, slot, rows=rows, session=session, acquired_at=time.time(), offsets=offsets,
-                                 spark_batch=batch, opened=opened), timeout=120)
+        self._timed(Acquired(batch, slot, rows=rows, session=session, acquired_at=time.time(), offsets=offsets,
+                             spark_batch=batch, opened=opened))
         t3 = time.perf_counter()
         with self.lock:
             self.held.setdefault(batch, {})[slot] = (session, rows)
         return (t1 - t0) * 1000, (t3 - t2) * 1000
+
+    def _timed(self, msg) -> tuple[dict, bytes]:
+        """A request stamped with when it left (the tracker's process times its answer from it)."""
+        return self.conn.call(dict(msg.header(), sentAt=time.monotonic()), timeout=120)
 
     # --- what the tracker asks ------------------------------------------------------------------------
     def _on_stage(self, conn, m, blob) -> dict:
@@ -285,7 +326,7 @@ def agents_main(args) -> None:
     members = Members()
     with ThreadPoolExecutor(max_workers=16) as boot:
         agents = list(boot.map(lambda i: SimAgent(i, first["address"], first["secret"], members, args.partitions,
-                                                  args.rows_per_slot), range(args.agents)))
+                                                  args.rows_per_slot, first["tracker_id"]), range(args.agents)))
     rng = random.Random(args.seed)
     workers = ThreadPoolExecutor(max_workers=args.concurrency)
     print(json.dumps({"ready": len(agents), "members": members.now}), flush=True)
@@ -354,9 +395,6 @@ def reject_rows(hello: dict, batch: int, slots: list, partitions: int, rows_per_
     assert rep.get("records") == n, rep
     return {"rows": n, "chunks": len(chunks), "bytes": sum(c.size for c in chunks),
             "encodeMs": round((t1 - t0) * 1000, 1), "trackerMs": round((t2 - t1) * 1000, 1)}
-
-    def median(self, key: str) -> float:
-        return statistics.median(b[key] for b in self.batches)
 
 
 def _child(mode: str, argv: list[str]) -> subprocess.Popen:

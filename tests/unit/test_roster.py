@@ -8,6 +8,7 @@ from concurrent.futures import Future
 
 import pytest
 
+from spark_share.driver import agents
 from spark_share.driver.agents import AgentRoster, agent_of, one_host
 from spark_share.driver.batches import BatchState
 from spark_share.driver.policy import BatchPolicy
@@ -28,12 +29,8 @@ class FakeConn:
         if header["op"] == "shutdown":
             self.closed.set()
         f: Future = Future()
-        f.set_result(({"ok": True}, b""))
+        f.set_result(({"rows": 2}, self.blob) if header["op"] == "fetch" else ({"ok": True}, b""))
         return f
-
-    def call(self, header: dict, timeout=None):
-        self.sent.append(header)
-        return {"rows": 2}, self.blob
 
     def wait_closed(self, timeout=None) -> bool:
         return self.closed.wait(timeout)
@@ -84,10 +81,24 @@ def test_no_prefetch_on_a_cluster(roster, monkeypatch):
 def test_a_reread_is_relayed_to_the_holder_and_counted(roster):
     holder = FakeConn(blob=b"arrow-ipc")
     roster.joined(holder, Hello("a1", "h1", 1), latest=None)
-    assert roster.relay(Fetch(0, 1), "a1") == ({"rows": 2}, b"arrow-ipc")
+    assert roster.relay(Fetch(0, 1), "a1").result(timeout=5) == ({"rows": 2}, b"arrow-ipc")
     assert roster.relays == 1 and roster.relayed_bytes == len(b"arrow-ipc")
     with pytest.raises(BatchRefused, match="held by no live agent"):
         roster.relay(Fetch(0, 1), "gone")
+
+
+def test_a_relayed_read_the_holder_never_answers_fails_on_its_own(roster, monkeypatch):
+    """The relay holds no thread while the holder reads: an agent that never answers fails the read
+    after RELAY_TIMEOUT_S, naming it, rather than a thread waiting."""
+    monkeypatch.setattr(agents, "RELAY_TIMEOUT_S", 0.2)
+    hung = FakeConn()
+    hung.call_async = lambda header: Future()  # type: ignore[method-assign]  # never answered
+    roster.joined(hung, Hello("a1", "h1", 1), latest=None)
+    answer = roster.relay(Fetch(3, 1), "a1")
+    assert not answer.done(), "the relay returned before the holder answered: nobody waits for it"
+    with pytest.raises(TimeoutError, match="batch 3 slot 1: agent a1 did not answer"):
+        answer.result(timeout=10)
+    assert roster.relays == 0
 
 
 def test_an_agent_leaving_is_forgotten_but_not_its_successor(roster):

@@ -41,6 +41,7 @@ def test_chunks_round_trip_with_reasons_and_stay_under_the_chunk_size():
     assert len(back) == n
     hit, reasons = back.reasons_for("audit", 1, np.array([1, 7, 2]))
     assert hit.tolist() == [True, True, False] and reasons == ["unparseable", "unparseable"]
+    assert VerdictSet().chunks() == [] and len(VerdictSet.from_chunks([])) == 0, "an agent without verdicts gets none"
 
 
 def test_each_agent_gets_the_verdicts_inside_its_runs_and_the_rest_are_named():

@@ -7,11 +7,12 @@ import socket
 import ssl
 import struct
 import threading
+from concurrent.futures import Future
 
 import pytest
 
 from harness.support import wait_until
-from spark_share.errors import PeerConnectionError
+from spark_share.errors import BatchRefused, PeerConnectionError
 from spark_share.transport import tls, wire
 
 SECRET = wire.new_secret()
@@ -102,6 +103,35 @@ def test_calls_both_ways_from_many_threads_arrive_intact(tmp_path):
         t.join(60)
     try:
         assert not any(t.is_alive() for t in threads) and failures == [] and not c.closed
+    finally:
+        c.close()
+        srv.close()
+
+
+def test_a_handler_waiting_on_a_peer_holds_no_thread_and_its_answer_arrives():
+    """A handler returns a future when its answer waits for another request (a read relayed by the
+    tracker to an agent that asks the tracker again): more of those than the pool has threads do not
+    wait on each other, and an error set on the future reaches the caller as itself."""
+    waiting: dict[int, Future] = {}
+
+    def handler(conn, req, blob):
+        if req["op"] == "outer":
+            return waiting.setdefault(req["i"], Future())
+        f = waiting.setdefault(req["i"], Future())  # "inner": answers the outer request of the same i
+        if req["i"] == 0:
+            f.set_exception(BatchRefused("slot 0 is held by no live agent"))
+        else:
+            f.set_result(({"outer": req["i"]}, b"rows"))
+        return {"ok": True}, b""
+
+    srv = wire.RpcServer(("127.0.0.1", 0), SECRET, handler, name="later", workers=2)
+    c = wire.connect(srv.address, SECRET)
+    try:
+        outer = [c.call_async({"op": "outer", "i": i}) for i in range(6)]  # three times the pool's threads
+        assert [c.call({"op": "inner", "i": i}, timeout=10)[0] for i in range(6)] == [{"ok": True}] * 6
+        with pytest.raises(BatchRefused, match="held by no live agent"):
+            outer[0].result(timeout=10)
+        assert [tuple(f.result(timeout=10)) for f in outer[1:]] == [({"outer": i}, b"rows") for i in range(1, 6)]
     finally:
         c.close()
         srv.close()
