@@ -181,8 +181,11 @@ class BatchPolicy:
 
     def earlier_run_let_go(self) -> None:
         """The run that planned the replayed batch stopped cleanly: every record it held was acknowledged
-        and answered, and its consumers closed. Nothing of it is locked: no wait."""
+        and answered, and its consumers closed. Nothing of it is locked: no wait, and a wait begun before
+        this was known (the query's id, which names that run's final counts, can come after the first
+        decision: under Spark Connect with foreachBatch's commit) was for nothing locked."""
         self.locked_elsewhere_until = None
+        self.waiting_for_locks = False
 
     def _available_now_goes_on(self, last: BatchState | None, now: float) -> bool:
         goes_on = self._available_now_decision(last, now)
