@@ -434,16 +434,22 @@ def test_a_drain_after_a_run_that_stopped_holding_nothing_does_not_wait():
     assert not p.should_run(batch(1, slots=0), 0, 1001.5)
 
 
-def test_a_drain_that_learns_late_that_the_run_let_go_stops_waiting():
-    """The first decision can come before the query's id, which names the earlier run's final counts: the
-    drain starts waiting for that run's locks, then learns it let go. It waits no longer, and progress does
-    not say it waited for locked records (none were)."""
+def _replayed_then_read_all():
+    """A drain (15 s lock) that replays batch 7 of an earlier run at t=1000, then reads its partition whole."""
     p = available_now({("t", 0): 100})
     p.lock_ms = 15_000
     p.earlier_batch_replayed(7, now=1000.0)
     p.planned(0, 1000.0)
     b0 = batch(0, [(0, 99)])
     heard(p, b0)
+    return p, b0
+
+
+def test_a_drain_that_learns_late_that_the_run_let_go_stops_waiting():
+    """The first decision can come before the query's id, which names the earlier run's final counts: the
+    drain starts waiting for that run's locks, then learns it let go. It waits no longer, and progress does
+    not say it waited for locked records (none were)."""
+    p, b0 = _replayed_then_read_all()
     assert p.should_run(b0, 0, 1001.0) and p.waiting_for_locks, "not known yet: it waits"
     p.earlier_run_let_go()
     assert not p.waiting_for_locks
@@ -451,11 +457,6 @@ def test_a_drain_that_learns_late_that_the_run_let_go_stops_waiting():
 
 
 def test_a_drain_after_a_replayed_batch_closes_as_usual_once_the_lock_has_passed():
-    p = available_now({("t", 0): 100})
-    p.lock_ms = 15_000
-    p.earlier_batch_replayed(7, now=1000.0)
-    p.planned(0, 1000.0)
-    b0 = batch(0, [(0, 99)])
-    heard(p, b0)
+    p, b0 = _replayed_then_read_all()
     assert p.should_run(b0, 0, 1016.0) and p.closing and not p.waiting_for_locks
     assert not p.should_run(batch(1, slots=0), 0, 1016.5)
