@@ -142,6 +142,9 @@ class Rig:
 
     def close(self):
         self.acks.close()
+        # The tracker does not wait for its finisher thread; a test does, or that thread logs a batch
+        # into the next test's captured records.
+        self.acks._finisher.shutdown(wait=True)
 
 
 @pytest.fixture
