@@ -331,6 +331,40 @@ def explain(rows: list[dict], batches: list[dict], faults: list[Fault],
     return why, unexplained, where
 
 
+JOIN_LINES = ("joined the group", "started share session")  # an agent's log line when a member joins
+
+
+def member_joins(cluster, hosts) -> list[float]:
+    """When a member joined the group (wall clock), from the agents' logs on every host: on the embedded
+    broker a join ends every member's share session, so the records they held come back."""
+    import datetime as dt
+
+    from harness.cluster_runs import host_logs
+
+    out = []
+    for host in hosts:
+        for line in host_logs(cluster, host, "").splitlines():
+            if any(j in line for j in JOIN_LINES):
+                try:
+                    out.append(dt.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp())
+                except ValueError:
+                    continue
+    return sorted(out)
+
+
+def keep_logs(cluster, hosts, out: str) -> None:
+    """spark-share's logs of every host (trackers' and agents'), copied to ``out``/logs before the cluster's
+    files go: what to read when a batch wrote duplicates no fault explains."""
+    import glob
+    import shutil
+
+    for host in hosts:
+        dest = os.path.join(out, "logs", host)
+        os.makedirs(dest, exist_ok=True)
+        for path in glob.glob(os.path.join(cluster.host_tmp(host), "spark-share-*", "*.log*")):
+            shutil.copy(path, dest)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=120)
@@ -383,6 +417,12 @@ def main(argv=None) -> int:
         done_at = {(b["run"], b["batch"]): b["t"] for b in batches}
         faults = operator.injected
         why, unexplained, where = explain(rows, batches, faults, driver.starts)
+        joins = member_joins(cluster, cluster.hosts)
+        # not an explanation the verdict takes: how many of the unexplained were written again within
+        # EFFECT_S after a member joined (what the embedded broker's session ends would cause)
+        after_join = sum(n for (r, b), n in where.items()
+                         if any(j <= done_at.get((r, b), 0.0) <= j + EFFECT_S for j in joins))
+        keep_logs(cluster, cluster.hosts, args.out)
         agents_left = {h: cluster_runs.agents_on(cluster, h) for h in cluster.hosts}
         deadline = time.monotonic() + 60
         while any(agents_left.values()) and time.monotonic() < deadline:
@@ -401,6 +441,7 @@ def main(argv=None) -> int:
             # the batches that wrote them again, with when they ended (s after the soak's start)
             "unexplainedBy": [{"run": r, "batch": b, "count": n, "t": round(done_at.get((r, b), 0.0) - sampler.wall0, 1)}
                               for (r, b), n in where.most_common(30)],
+            "memberJoins": len(joins), "unexplainedWithinEffectOfAJoin": after_join,
             "driverRuns": driver.runs, "driverEnds": driver.ended, "finalError": res.get("error"),
             "batches": len(batches), "agentsLeft": {h: len(p) for h, p in agents_left.items()},
             "membersLeft": len(members_left),
