@@ -5,6 +5,7 @@ x 8 read slots, on a 10,000-partition topic, for many batches; then two million 
     .venv/bin/python benchmarks/scale.py                       # 10/100/500 agents, 1,000 batches each
     .venv/bin/python benchmarks/scale.py --batches 50 --agents 10,100 --out /tmp/scale
     .venv/bin/python benchmarks/scale.py --batches 1000,1000,200       # batches per size
+    .venv/bin/python benchmarks/scale.py --agents 500 --batches 100 --random-batches 0 --rejects 0 --burst-batches 50
 
 Per size, per batch (the first batches, while connections and caches warm up, are left out):
 
@@ -19,6 +20,8 @@ Per size, per batch (the first batches, while connections and caches warm up, ar
   watermark thread), its threads, its memory (RSS: at the start, the end, and the slope per 100 batches
   after the warm-up), the bytes it sent per batch;
 - the group's members: at most numPartitions at any time (the agents' process counts every consumer);
+- reads at once: the simulation paces them (4 per agent, at most 256), then, with ``--burst-batches``, starts
+  every read of a batch at once, as a cluster with that many task slots would;
 - with ``--rejects``: a reject() of that many rows of one batch, sent as the user's process sends it (Arrow
   chunks over TLS): chunks and bytes, the tracker's time to check and keep them, its memory before and
   after, and the verdicts every agent received (each only those on records it holds).
@@ -81,7 +84,8 @@ def table(sizes: list[dict]) -> str:
             lines.append(f"| {s['agents']} x {s['slotsPerAgent']}, {s['placement']} placement | failed: {s['error'][:200]} |"
                          + " |" * 8)
             continue
-        lines.append(f"| {s['agents']} x {s['slotsPerAgent']}, {s['batches']} batches, {s['placement']} placement | "
+        lines.append(f"| {s['agents']} x {s['slotsPerAgent']}, {s['batches']} batches, {s['placement']} placement, "
+                     f"{s.get('readsAtOnce', 256):,} reads at once | "
                      f"{s['trackerAddsMsMedian']} ms ({s['trackerAddsMsP95']}) | "
                      f"{s['latestOffsetMsMedian']} ms | {s['claimServedMsMedian']} / {s['acquiredServedMsMedian']} ms "
                      f"({s['claimRttMsMedian']} / {s['acquiredRttMsMedian']}) | "
@@ -107,6 +111,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--rejects", type=int, default=2_000_000, help="rows reject()ed in one batch (0: none)")
     ap.add_argument("--random-batches", type=int, default=200,
                     help="then the largest size with random placement (Spark's tasks anywhere) for this many batches")
+    ap.add_argument("--burst-batches", type=int, default=50,
+                    help="then the largest size with every read of a batch started at once, for this many batches")
     ap.add_argument("--out", default="docs/results/scale")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -115,15 +121,18 @@ def main(argv: list[str]) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     if len(batches) not in (1, len(counts)):
         ap.error(f"--batches names {len(batches)} counts for {len(counts)} agent counts: give one, or one per agent count")
-    def measure(agents: int, n: int, placement: str) -> None:
+    def measure(agents: int, n: int, placement: str, at_once: int | None = None) -> None:
         """One size: its figures (or, for a run that failed, why) printed and written as it ends, so a later
-        size that fails keeps these."""
+        size that fails keeps these. ``at_once``: reads under way at once (the simulation's pace unless
+        given)."""
         t0 = time.monotonic()
+        at_once = at_once or min(4 * agents, 256)
         try:
-            r = scale_sim.run(agents, args.slots, args.partitions, n, placement, concurrency=min(4 * agents, 256))
+            r = scale_sim.run(agents, args.slots, args.partitions, n, placement, concurrency=at_once)
             s = summarize(r, agents, args.slots, placement)
         except AssertionError as e:  # a failed run is a result too: the table says so
             s = {"agents": agents, "slotsPerAgent": args.slots, "placement": placement, "error": str(e)[:500]}
+        s["readsAtOnce"] = at_once
         s["wallS"] = round(time.monotonic() - t0)
         sizes.append(s)
         print(json.dumps(s), flush=True)
@@ -133,6 +142,8 @@ def main(argv: list[str]) -> int:
         measure(agents, n, args.placement)
     if args.random_batches:
         measure(max(counts), args.random_batches, "random")
+    if args.burst_batches:  # every read of a batch at once, as a cluster with that many task slots starts them
+        measure(max(counts), args.burst_batches, args.placement, at_once=max(counts) * args.slots)
     rejects = None
     if args.rejects:
         agents = max(counts)

@@ -36,8 +36,10 @@ from ..options import ShareSourceOptions, scrub
 from ..spark_versions import available_now_refusal
 from ..transport import wire
 from ..transport.protocol import (
+    BUNDLED,
     TO_TRACKER,
     Acquired,
+    Bundle,
     Claim,
     Committed,
     Drain,
@@ -94,10 +96,11 @@ def _bind_host() -> str:
 
 
 def _on_the_loop(header: dict) -> bool:
-    """The requests every read sends (two per slot and batch: thousands at scale) are handled on the
-    wire's loop, not handed to a thread: each takes the ledger's lock briefly and waits on no peer. A
-    read that needs another agent to give up a member waits for it (``Member``): that goes to a thread."""
-    return header.get("op") in ("claim", "acquired")
+    """The requests every read sends (two per slot and batch: thousands at scale), alone or bundled, are
+    handled on the wire's loop, not handed to a thread: each takes the ledger's lock briefly and waits on
+    no peer. A read that needs another agent to give up a member waits for it (``Member``): that goes to
+    a thread."""
+    return header.get("op") in BUNDLED or header.get("op") == Bundle.op
 
 
 def _port_text(ports: tuple[int, int]) -> str:

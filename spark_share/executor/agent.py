@@ -43,6 +43,7 @@ from ..transport.protocol import (
     Ack,
     AckResult,
     Acquired,
+    Bundler,
     Claim,
     DeadLetter,
     Fetch,
@@ -112,6 +113,7 @@ class Agent:
         self.tracker = _connect_tracker(tracker_addr, secret, handler=dispatcher(self, TRACKER_TO_AGENT),
                                         on_close=lambda _c: self._tracker_lost(), name="agent-tracker",
                                         scrub=self._scrub, inline=lambda header: header.get("op") in ("stage", "ack"))
+        self.reads = Bundler(self.tracker)  # this host's reads' Claims and Acquireds, bundled when they meet
         hello, _ = call(self.tracker, Hello(self.agent_id, socket.gethostname(), os.getpid()), timeout=30)
         self.config = hello
         self.tracker.set_keepalive(float(hello["dead_after_s"]))  # a tracker gone silent is a tracker gone
@@ -179,7 +181,7 @@ class Agent:
             # The claim's answer comes on the tracker's connection behind the acknowledgements of the batch
             # before (the tracker sent them first, and they are queued on the loop as they arrive): the
             # sessions it frees are free by the time this read looks for one.
-            claim, _ = call(self.tracker, Claim(batch, slot, query_id, spark_batch, connect_session,
+            claim, _ = self.reads.call(Claim(batch, slot, query_id, spark_batch, connect_session,
                                                 carrying=self.pool.carrying_for(batch)), timeout=60)
             if claim["owner"] is None:  # acquired by an agent that is gone: no new records under this id
                 return {"rows": 0, "cached": False, "lost": True}, records.to_ipc(
@@ -224,7 +226,7 @@ class Agent:
             # The tracker learns what this (batch, slot) holds before any row of it reaches Spark: a
             # record it does not know of could never be acknowledged nor given a verdict.
             try:
-                call(self.tracker, Acquired(
+                self.reads.call(Acquired(
                     batch, slot, rows=rb.num_rows, session=session.session_id, acquired_at=holding.acquired_at,
                     offsets={t: {str(p): runs for p, runs in parts.items()} for t, parts in acquired.items()},
                     poison=poison, redelivered=_redelivered(rb), spark_batch=spark_batch,
@@ -259,7 +261,7 @@ class Agent:
         fails the query saying why)."""
         self.pool.drop(session)
         log.warning("agent %s: %s", self.agent_id, why)
-        call(self.tracker, Acquired(batch, slot, rows=0, spark_batch=spark_batch, members=len(self.pool),
+        self.reads.call(Acquired(batch, slot, rows=0, spark_batch=spark_batch, members=len(self.pool),
                                     refused=why), timeout=60)
         ipc = records.to_ipc(records.empty_batch(self.config["include_headers"]))
         with self._lock:
@@ -268,7 +270,7 @@ class Agent:
 
     def _read_nothing(self, batch: int, slot: int, spark_batch, query_id, key) -> tuple[dict, bytes]:
         """A slot granted no records: it reads nothing, and the tracker knows so (empty, not timed out)."""
-        call(self.tracker, Acquired(batch, slot, rows=0, spark_batch=spark_batch, members=len(self.pool)), timeout=60)
+        self.reads.call(Acquired(batch, slot, rows=0, spark_batch=spark_batch, members=len(self.pool)), timeout=60)
         ipc = records.to_ipc(records.empty_batch(self.config["include_headers"]))
         with self._lock:
             self._cache[key] = Cached(batch, slot, None, ipc, 0, 0, query_id=query_id)
@@ -400,6 +402,7 @@ class Agent:
         if self._deadletters is not None:
             self._deadletters.close()
         self.tracker.close()
+        self.reads.close()
         self.done.set()
 
 

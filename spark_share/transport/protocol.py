@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..errors import ProtocolError
+from .wire import error_of
 
 
 @dataclass
@@ -254,7 +256,19 @@ class Read(Message):
     connect_session: str | None = None
 
 
-TO_TRACKER: tuple[type[Message], ...] = (Hello, Claim, Member, Acquired, Fetch, Committed, Verdicts, Status, Drain)
+@dataclass
+class Bundle(Message):
+    """Requests of one agent's reads to the tracker, sent together (a host's read tasks start at once: the
+    tracker reads one message where it would read eight). Only ``BUNDLED`` requests; the reply's
+    ``replies`` hold, in their order, each one's reply or error (``_error``, ``_type``)."""
+    op: ClassVar[str] = "bundle"
+    requests: list[dict] = field(default_factory=list)
+
+
+BUNDLED = frozenset(("claim", "acquired"))  # answered at once, without a blob, never by another peer
+
+TO_TRACKER: tuple[type[Message], ...] = (Hello, Claim, Member, Acquired, Fetch, Committed, Verdicts, Status, Drain,
+                                         Bundle)
 TRACKER_TO_AGENT: tuple[type[Message], ...] = (Prefetch, Stage, Ack, AckResult, DeadLetter, Fetch, Trim, Shutdown,
                                                 Ping)
 TASK_TO_AGENT: tuple[type[Message], ...] = (Read, Ping)
@@ -269,20 +283,105 @@ def handler_name(message: type[Message]) -> str:
 def dispatcher(receiver: Any, receives: tuple[type[Message], ...]):
     """A ``wire`` handler that parses each request into its message and calls the receiver's
     ``_on_<message>`` method for it. The receiver must have one for every message it ``receives``."""
-    missing = [handler_name(m) for m in receives if not callable(getattr(receiver, handler_name(m), None))]
+    own = [m for m in receives if m is not Bundle]  # a bundle is unpacked here, each request to its handler
+    missing = [handler_name(m) for m in own if not callable(getattr(receiver, handler_name(m), None))]
     if missing:
         raise ProtocolError(f"{type(receiver).__name__} receives {sorted(m.op for m in receives)} but has no {missing}")
-    by_op: dict[str, tuple[type[Message], Callable]] = {m.op: (m, getattr(receiver, handler_name(m))) for m in receives}
+    by_op: dict[str, tuple[type[Message], Callable]] = {m.op: (m, getattr(receiver, handler_name(m))) for m in own}
+    bundles = Bundle in receives
 
     def handle(conn, header: dict, blob: bytes) -> tuple[dict, bytes] | Future:
         op = header.get("op")
+        if bundles and op == Bundle.op:
+            requests = header.get("requests")
+            if not isinstance(requests, list):
+                raise ProtocolError("a bundle without its list of requests")
+            return {"replies": [one_of_bundle(conn, h) for h in requests]}, b""
         if op not in by_op:
             raise ProtocolError(f"unknown request {op!r}")
         cls, fn = by_op[op]
         out = fn(conn, cls.parse(header), blob) if cls.carries_blob else fn(conn, cls.parse(header))
         return out if isinstance(out, (tuple, Future)) else (out, b"")  # a future: answered later
 
+    def one_of_bundle(conn, header: dict) -> dict:
+        op = header.get("op") if isinstance(header, dict) else None
+        try:
+            if op not in BUNDLED or op not in by_op:
+                raise ProtocolError(f"request {op!r} cannot come in a bundle")
+            rep = handle(conn, header, b"")
+            if not isinstance(rep, tuple) or rep[1]:
+                raise ProtocolError(f"{op} answered with a blob or later: it cannot come in a bundle")
+            return dict(rep[0] or {})
+        except Exception as e:  # this request's error; the others of the bundle are answered
+            return conn.error_reply(op, e)
+
     return handle
+
+
+class Bundler:
+    """``BUNDLED`` requests on one connection, from any number of threads: while one is on its way, the
+    next ones queue and leave together, as one ``Bundle``, when its answer comes (a host's read tasks
+    start together; the tracker then serves one message for them). A request with none on its way
+    leaves at once: no timer, no added wait. Each caller gets its own reply or error, as ``call``'s."""
+
+    def __init__(self, conn):
+        self._conn = conn
+        self._lock = threading.Lock()
+        self._queued: list[tuple[dict, Future]] = []
+        self._on_its_way = False
+        # The next bundle leaves from here, not from the wire's loop that delivers the answer: a send may
+        # wait for the loop to flush.
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bundler")
+
+    def call(self, msg: Message, timeout: float | None = None, **stamp) -> tuple[dict, bytes]:
+        """``msg``'s reply (``stamp``: fields added to its header as sent, for a harness's timing)."""
+        if msg.op not in BUNDLED:
+            raise ProtocolError(f"request {msg.op!r} cannot come in a bundle")
+        fut: Future = Future()
+        with self._lock:
+            self._queued.append((dict(msg.header(), **stamp), fut))
+            lead, self._on_its_way = not self._on_its_way, True
+        if lead:
+            self._send()
+        return fut.result(timeout), b""
+
+    def close(self) -> None:
+        self._sender.shutdown(wait=False)
+
+    def _send(self) -> None:
+        with self._lock:
+            items, self._queued = self._queued, []
+            if not items:
+                self._on_its_way = False
+                return
+        header = items[0][0] if len(items) == 1 else Bundle([h for h, _ in items]).header()
+        self._conn.call_async(header).add_done_callback(lambda f: self._answered(f, items))
+
+    def _answered(self, sent: Future, items: list[tuple[dict, Future]]) -> None:
+        try:
+            rep, _ = sent.result()
+            replies = [rep] if len(items) == 1 else rep["replies"]
+            if len(replies) != len(items):
+                raise ProtocolError(f"a bundle of {len(items)} requests got {len(replies)} replies")
+        except BaseException as e:  # noqa: BLE001 - the connection's error is each request's
+            for _, fut in items:
+                fut.set_exception(e)
+        else:
+            for (_, fut), r in zip(items, replies):
+                if "_error" in r:
+                    fut.set_exception(error_of(r))
+                else:
+                    fut.set_result(r)
+        try:
+            self._sender.submit(self._send)
+        except RuntimeError:  # closed: what queued since fails as the connection does
+            self._fail_queued()
+
+    def _fail_queued(self) -> None:
+        with self._lock:
+            items, self._queued, self._on_its_way = self._queued, [], False
+        for _, fut in items:
+            fut.set_exception(ProtocolError("the connection's bundler is closed"))
 
 
 def call(conn, msg: Message, timeout: float | None = None, blob=b"") -> tuple[dict, bytes]:

@@ -262,8 +262,7 @@ class RpcConnection:
             if "_error" in header:
                 # Our own error kinds come back as themselves (``except BatchRefused`` works across
                 # processes); anything else as RemoteError("Type: message").
-                cls = WIRE_ERRORS.get(header.get("_type", ""), RemoteError)
-                fut.set_exception(cls(header["_error"]))
+                fut.set_exception(error_of(header))
             else:
                 fut.set_result((header, blob))
         elif kind == "req" and self._pool is not None:
@@ -339,7 +338,7 @@ class RpcConnection:
             rep, rblob = out
             rep = dict(rep or {})
         except Exception as e:
-            rep, rblob = self._error_reply(header.get("op"), e)
+            rep, rblob = self.error_reply(header.get("op"), e), b""
         reply = dict(rep, _id=rid, _kind="rep")
         if not inline:
             self._send_or_close(reply, rblob)
@@ -356,13 +355,14 @@ class RpcConnection:
         finally:
             self._frame_lock.release()
 
-    def _error_reply(self, op, e: BaseException) -> tuple[dict, Blob]:
-        """The peer gets the message, scrubbed: client errors may quote configs."""
+    def error_reply(self, op, e: BaseException) -> dict:
+        """What the peer gets of a handler's error: its message, scrubbed (client errors may quote
+        configs), and its kind when it is one of ours (raised again as itself on the other side)."""
         log.debug("%s: handler failed for %s", self.name, op, exc_info=e)
         name = wire_name(e)
         if name is not None:
-            return {"_error": self._scrub(str(e)), "_type": name}, b""
-        return {"_error": self._scrub(f"{type(e).__name__}: {e}")}, b""
+            return {"_error": self._scrub(str(e)), "_type": name}
+        return {"_error": self._scrub(f"{type(e).__name__}: {e}")}
 
     def _answer_later(self, rid, op, fut: Future) -> None:
         """The reply to a request whose handler returned a future, once it is done (on whichever thread
@@ -371,7 +371,7 @@ class RpcConnection:
             rep, rblob = fut.result(timeout=0)
             rep = dict(rep or {})
         except BaseException as e:  # noqa: BLE001 - a cancelled future too: the peer must get an answer
-            rep, rblob = self._error_reply(op, e)
+            rep, rblob = self.error_reply(op, e), b""
         self._submit(self._send_or_close, dict(rep, _id=rid, _kind="rep"), rblob)
 
     def _submit(self, fn, *args) -> None:
@@ -494,6 +494,11 @@ class RpcConnection:
 
     def wait_closed(self, timeout: float | None = None) -> bool:
         return self._closed_event.wait(timeout)
+
+
+def error_of(reply: dict) -> Exception:
+    """The exception a reply with ``_error`` stands for: one of our kinds as itself, else RemoteError."""
+    return WIRE_ERRORS.get(reply.get("_type", ""), RemoteError)(reply["_error"])
 
 
 def connect(address, secret: str, handler: Handler | None = None, timeout: float = 10.0,

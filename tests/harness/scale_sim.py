@@ -53,6 +53,11 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+def _pool_threads() -> int:
+    """The tracker server's handler threads (started as handlers wait, never past ``wire.SERVER_WORKERS``)."""
+    return sum(1 for t in threading.enumerate() if t.name.startswith("tracker-h"))
+
+
 def _rss_mb() -> float:
     with open("/proc/self/status") as f:
         for line in f:
@@ -114,7 +119,7 @@ def tracker_main(args) -> None:
         cpu_now, bytes_now = time.process_time(), sent()
         say({"batch": cmd["batch"], "slots": [[p.batch, p.slot, p.max_records] for p in parts],
              "latestOffsetMs": round((t1 - t0) * 1000, 2), "partitionsMs": round((t2 - t1) * 1000, 2),
-             "cpuMs": round((cpu_now - cpu_was) * 1000, 1), "threads": _threads(),
+             "cpuMs": round((cpu_now - cpu_was) * 1000, 1), "threads": _threads(), "poolThreads": _pool_threads(),
              "rssMb": round(_rss_mb(), 1), "bytesSent": bytes_now - bytes_was,
              "members": t.members.total, "memberLimit": t.members.cap,
              "acked": _last_acked(t), **served.pop_medians()})
@@ -150,10 +155,12 @@ def _time_served() -> _Served:
     handle = wire.RpcConnection._handle
 
     def timed(conn, rid, header, blob, inline=False):
-        sent = header.get("sentAt")
+        requests = header.get("requests", []) if header.get("op") == "bundle" else [header]
         handle(conn, rid, header, blob, inline)
-        if sent is not None:
-            served.add(header["op"], (time.monotonic() - sent) * 1000)
+        now = time.monotonic()
+        for r in requests:
+            if isinstance(r, dict) and r.get("sentAt") is not None:
+                served.add(r["op"], (now - r["sentAt"]) * 1000)
 
     wire.RpcConnection._handle = timed  # type: ignore[method-assign]
     return served
@@ -189,7 +196,7 @@ class SimAgent:
 
     def __init__(self, index: int, address, secret: str, members: Members, partitions: int, rows: int, query: str):
         from spark_share.transport import wire
-        from spark_share.transport.protocol import TRACKER_TO_AGENT, Hello, call, dispatcher
+        from spark_share.transport.protocol import TRACKER_TO_AGENT, Bundler, Hello, call, dispatcher
 
         self.agent_id = f"sim-host-{index}:{1000 + index}"
         self.query = query  # the tracker registers under it: each run its own, so two runs may share a machine
@@ -208,6 +215,7 @@ class SimAgent:
                                  name="sim-agent", workers=2, inline=lambda h: h.get("op") in ("stage", "ack"))
         hello, _ = call(self.conn, Hello(self.agent_id, self.host, 1000 + index), timeout=60)
         self.conn.set_keepalive(float(hello["dead_after_s"]))
+        self.reads = Bundler(self.conn)  # as an agent sends its reads' Claims and Acquireds
         for _ in range(int(hello["slots"])):
             self._open(-1)
 
@@ -242,7 +250,7 @@ class SimAgent:
                     self.members.relayed += 1
                 return (t1 - t0) * 1000, (time.perf_counter() - t1) * 1000
             if not member["open"]:
-                call(self.conn, Acquired(batch, slot, rows=0), timeout=120)
+                self.reads.call(Acquired(batch, slot, rows=0), timeout=120)
                 return (t1 - t0) * 1000, 0.0
             with self.lock:
                 session = self._open(batch)
@@ -259,8 +267,9 @@ class SimAgent:
         return (t1 - t0) * 1000, (t3 - t2) * 1000
 
     def _timed(self, msg) -> tuple[dict, bytes]:
-        """A request stamped with when it left (the tracker's process times its answer from it)."""
-        return self.conn.call(dict(msg.header(), sentAt=time.monotonic()), timeout=120)
+        """A request stamped with when it was made (the tracker's process times its answer from it, the
+        wait in a bundle included)."""
+        return self.reads.call(msg, timeout=120, sentAt=time.monotonic())
 
     # --- what the tracker asks ------------------------------------------------------------------------
     def _on_stage(self, conn, m, blob) -> dict:
@@ -350,6 +359,7 @@ def agents_main(args) -> None:
                           "closed": members.closed, "relayed": members.relayed}), flush=True)
     for a in agents:
         a.conn.close()
+        a.reads.close()
 
 
 # --- the harness ------------------------------------------------------------------------------------
