@@ -97,6 +97,23 @@ def host_logs(cluster: NamespaceCluster, host: str, prefix: str) -> str:
     return "\n".join(out)
 
 
+def tasks_assigned(cluster: NamespaceCluster, host: str) -> list[float]:
+    """When Spark's driver gave a task to an executor on ``host`` (wall clock, whole seconds: the resolution
+    of the executors' log lines ``Got assigned task``), sorted: when the driver's messages got there."""
+    import datetime as dt
+
+    out = []
+    for path in glob.glob(os.path.join(cluster.host_tmp(host), "spark-work", "app-*", "*", "stderr")):
+        with open(path, errors="replace") as f:
+            for line in f:
+                if "Got assigned task" in line:
+                    try:
+                        out.append(dt.datetime.strptime(line[:17], "%y/%m/%d %H:%M:%S").timestamp())
+                    except ValueError:
+                        continue
+    return sorted(out)
+
+
 def agents_on(cluster: NamespaceCluster, host: str) -> list[int]:
     """The pids of spark-share agents running on ``host``."""
     out = []

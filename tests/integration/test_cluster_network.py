@@ -5,9 +5,10 @@ driver host lost mid-batch. On the embedded broker in CI; on a real Kafka where 
 Each fault lasts twice the group's record lock. Judged for each: nothing lost; a record delivered twice
 only at or after the fault (on the embedded broker a member joining ends every member's session, so the
 joins of the stream's start may deliver some twice as well: counted apart, never on real Kafka); the
-stream back at half its rate within a record lock after the fault ends (after the driver cut, within two:
-not yet within one); and, once the query stops, no
-agent left on any host and no member left in the group.
+stream back at half its rate within a record lock after the fault ends, and within a lock of Spark's
+own tasks reaching the worker hosts again (after the driver cut those wait out the kernel's retransmission
+backoff on Spark's connections: the whole within two locks); and, once the query stops, no agent left on
+any host and no member left in the group.
 
 Needs root, socat, iptables and NetfilterQueue (.ci/run installs them); without them a test fails
 saying which."""
@@ -118,12 +119,34 @@ class Stream:
         back = next((w[0]["t"] for w in (after[i - 3:i + 1] for i in range(3, len(after))) if _rate(w) >= RATE / 2),
                     None)
         took = None if back is None else back - self.cleared_at
+        # Spark's own driver-executor connections stay open through a cut, and the kernel retransmits what
+        # they sent during it with a doubling timeout: Spark's tasks can reach a host seconds after the link
+        # is back. Apart from that wait, the stream's recovery is spark-share's (new agents, their joins, the
+        # batch whose agents are gone).
+        resumed = None if back is None else self.spark_resumed(back)
+        ours = None if back is None else back - max(self.cleared_at, resumed or self.cleared_at)
         figures = {"produced": len(ids), "duplicates": report.duplicates, "beforeTheFault": early,
-                   "backAfterS": None if took is None else round(took, 1)}
+                   "backAfterS": None if took is None else round(took, 1),
+                   "sparkTasksBackAfterS": None if resumed is None else round(resumed - self.cleared_at, 1),
+                   "sparkShareBackAfterS": None if ours is None else round(ours, 1)}
         print(f"{os.path.basename(self.shared)}: {figures}")
         assert took is not None and took <= back_within, f"not back at half its rate within {back_within} s: {figures}"
+        assert ours is not None and ours <= LOCK_S, f"not back within a lock of Spark's tasks reaching the hosts: {figures}"
         self.nothing_left()
         return figures
+
+    def spark_resumed(self, back: float) -> float | None:
+        """When Spark's tasks reached the last worker host they reached after the fault ended and before
+        the stream was ``back`` (from the executors' logs, whole seconds rounded down: this errs towards
+        a shorter wait for Spark); None when no task did."""
+        firsts = []
+        for h in self.cluster.hosts:
+            if h == "driver":
+                continue
+            after = [t for t in cluster_runs.tasks_assigned(self.cluster, h) if t + 1 > self.cleared_at]
+            if after and after[0] <= back:
+                firsts.append(after[0])
+        return max(firsts, default=None)
 
     def nothing_left(self) -> None:
         """Once the query stopped: no agent on any host, no member in the group (the embedded broker says)."""
@@ -154,9 +177,8 @@ def test_the_driver_cut_from_its_executors_for_twice_the_lock(namespace_cluster,
     workers = [h for h in namespace_cluster.hosts if h != "driver"]
     with NetFaults(namespace_cluster) as faults:
         s.fault(lambda: faults.isolate("driver", workers), lambda: faults.clear("driver"))
-    # Not within a lock: back 10.2-13.4 s after this 24 s cut against a 12 s lock (new agents, their joins,
-    # a batch's records expired during the cut); after a 32 s cut 29.3 s. The target is open
-    # (docs/guarantees.md); this bounds what holds now.
+    # Back 10.2-13.4 s after this 24 s cut against a 12 s lock, most of it Spark's own tasks reaching the
+    # hosts late (the kernel's retransmission backoff on Spark's connections): within a lock of that.
     s.finish(back_within=2 * LOCK_S)
 
 
