@@ -36,6 +36,7 @@ from harness.support import (
     wait_until,
 )
 from spark_share import spark_versions
+from spark_share.executor.agent import CLOSE_WAIT_S
 from spark_share.runtime import agent_socket_path, checkpoint_note_path, registry_path, runtime_dir
 from spark_share.transport import wire
 
@@ -75,7 +76,9 @@ def test_available_now_drains_acknowledges_and_ends(spark, kafka, tmp_path):
     offset = json.loads(open(os.path.join(ck, "offsets", "0")).read().strip().splitlines()[-1])
     assert set(offset) == {"v", "batch", "run"} and (offset["v"], offset["batch"]) == (1, 0), offset
     assert re.fullmatch(r"[0-9a-f]{16}", offset["run"]) and offset["run"] in tracker_log(q), offset
-    wait_until(lambda: not agent_processes(), timeout=30, message="an agent outlived its query")
+    # An agent ends once its consumers have closed, which it waits for at most CLOSE_WAIT_S (their releases
+    # wait for the broker): the bound here is past that, or a slow close on a busy machine fails the test.
+    wait_until(lambda: not agent_processes(), timeout=CLOSE_WAIT_S + 15, message="an agent outlived its query")
 
     # A second run over the empty queue ends quickly with no rows.
     t0 = time.monotonic()
