@@ -333,13 +333,13 @@ class Bundler:
         # wait for the loop to flush.
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bundler")
 
-    def call(self, msg: Message, timeout: float | None = None, **stamp) -> tuple[dict, bytes]:
-        """``msg``'s reply (``stamp``: fields added to its header as sent, for a harness's timing)."""
+    def call(self, msg: Message, timeout: float | None = None) -> tuple[dict, bytes]:
+        """``msg``'s reply, or its error, as ``call``'s."""
         if msg.op not in BUNDLED:
             raise ProtocolError(f"request {msg.op!r} cannot come in a bundle")
         fut: Future = Future()
         with self._lock:
-            self._queued.append((dict(msg.header(), **stamp), fut))
+            self._queued.append((msg.header(), fut))
             lead, self._on_its_way = not self._on_its_way, True
         if lead:
             self._send()

@@ -215,6 +215,17 @@ class SimAgent:
                                  name="sim-agent", workers=2, inline=lambda h: h.get("op") in ("stage", "ack"))
         hello, _ = call(self.conn, Hello(self.agent_id, self.host, 1000 + index), timeout=60)
         self.conn.set_keepalive(float(hello["dead_after_s"]))
+        send = self.conn.call_async
+
+        def stamped(header: dict, *blob):
+            """Claims and Acquireds stamped as they leave, alone or bundled: the tracker's process times
+            its answer from the stamp (what a read waits for in a bundle is in the round trip)."""
+            now = time.monotonic()
+            for r in header.get("requests", []) if header.get("op") == "bundle" else [header]:
+                if r.get("op") in ("claim", "acquired"):
+                    r["sentAt"] = now
+            return send(header, *blob)
+        self.conn.call_async = stamped  # type: ignore[method-assign]
         self.reads = Bundler(self.conn)  # as an agent sends its reads' Claims and Acquireds
         for _ in range(int(hello["slots"])):
             self._open(-1)
@@ -232,7 +243,7 @@ class SimAgent:
         from spark_share.transport.protocol import Acquired, Claim, Fetch, Member, call
 
         t0 = time.perf_counter()
-        claim, _ = self._timed(Claim(batch, slot, self.query, batch))
+        claim, _ = self.reads.call(Claim(batch, slot, self.query, batch), timeout=120)
         t1 = time.perf_counter()
         if claim["owner"] != self.agent_id:
             raise AssertionError(f"batch {batch} slot {slot}: owner {claim['owner']}")
@@ -259,17 +270,12 @@ class SimAgent:
         first = batch * rows
         offsets = {TOPIC: {str(p): [[first, first + rows - 1]]}}
         t2 = time.perf_counter()
-        self._timed(Acquired(batch, slot, rows=rows, session=session, acquired_at=time.time(), offsets=offsets,
-                             spark_batch=batch, opened=opened))
+        self.reads.call(Acquired(batch, slot, rows=rows, session=session, acquired_at=time.time(), offsets=offsets,
+                                 spark_batch=batch, opened=opened), timeout=120)
         t3 = time.perf_counter()
         with self.lock:
             self.held.setdefault(batch, {})[slot] = (session, rows)
         return (t1 - t0) * 1000, (t3 - t2) * 1000
-
-    def _timed(self, msg) -> tuple[dict, bytes]:
-        """A request stamped with when it was made (the tracker's process times its answer from it, the
-        wait in a bundle included)."""
-        return self.reads.call(msg, timeout=120, sentAt=time.monotonic())
 
     # --- what the tracker asks ------------------------------------------------------------------------
     def _on_stage(self, conn, m, blob) -> dict:
