@@ -177,8 +177,9 @@ def test_the_driver_cut_from_its_executors_for_twice_the_lock(namespace_cluster,
     workers = [h for h in namespace_cluster.hosts if h != "driver"]
     with NetFaults(namespace_cluster) as faults:
         s.fault(lambda: faults.isolate("driver", workers), lambda: faults.clear("driver"))
-    # Back 10.2-13.4 s after this 24 s cut against a 12 s lock, most of it Spark's own tasks reaching the
-    # hosts late (the kernel's retransmission backoff on Spark's connections): within a lock of that.
+    # Back 10.2-13.4 s after this 24 s cut against a 12 s lock; Spark's own tasks reached the hosts 2.8-11.1 s
+    # after the link was back (the kernel's retransmission backoff on Spark's connections), the rest within
+    # a lock of that.
     s.finish(back_within=2 * LOCK_S)
 
 
