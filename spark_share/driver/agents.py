@@ -117,27 +117,35 @@ class AgentRoster:
         if agent is None:
             raise BatchRefused(f"batch {m.batch} slot {m.slot} is held by no live agent")
         out: Future = Future()
+        # The timeout's only hold on the answer, emptied once it came: the loop keeps its timer for 120 s,
+        # and through ``out`` it would keep the relayed rows as long.
+        waiting = [out]
 
-        def settle(result=None, error: BaseException | None = None) -> None:
+        def settle(fut: Future, result=None, error: BaseException | None = None) -> None:
             try:
-                out.set_exception(error) if error is not None else out.set_result(result)
+                fut.set_exception(error) if error is not None else fut.set_result(result)
             except InvalidStateError:  # the other of the answer and the timeout came first
                 pass
 
         def answered(f: Future) -> None:
+            waiting.clear()
             try:
                 rep, blob = f.result(timeout=0)
             except BaseException as e:  # noqa: BLE001 - cancelled too: the read must get an answer
-                settle(error=e)
+                settle(out, error=e)
                 return
             with self.lock:
                 self.relays += 1
                 self.relayed_bytes += len(blob)
-            settle((rep, blob))
+            settle(out, (rep, blob))
+
+        def expire(text=f"batch {m.batch} slot {m.slot}: agent {owner} did not answer a relayed read within "
+                        f"{RELAY_TIMEOUT_S:.0f} s") -> None:
+            for fut in waiting:
+                settle(fut, error=TimeoutError(text))
 
         call_async(agent, m).add_done_callback(answered)
-        get_loop().call_later(RELAY_TIMEOUT_S, lambda: settle(error=TimeoutError(
-            f"batch {m.batch} slot {m.slot}: agent {owner} did not answer a relayed read within {RELAY_TIMEOUT_S:.0f} s")))
+        get_loop().call_later(RELAY_TIMEOUT_S, expire)
         return out
 
     def hosts(self, claims: list[str]) -> dict[str, dict]:
