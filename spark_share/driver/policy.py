@@ -90,8 +90,10 @@ class BatchPolicy:
         self.max_seen: dict[Partition, int] = {}  # highest offset acquired per partition in this run
         self.task_slots: int | None = None  # Spark's, when register() passed them
         self.empty_streak = 0
-        # Records this AvailableNow run gave back (released, failed or expired acks) and has not seen
-        # again: an empty batch does not end the run while some are due (a few times, as above).
+        # Records this run gave back (released, failed or expired acks) and has not seen again: an empty
+        # batch does not end an AvailableNow run while some are due (a few times, as above). Counted from
+        # the run's first batch: on Spark < 4.2 a drain becomes one after its first batch (user/drain.py),
+        # and what that batch released is due all the same.
         self.redeliveries_due = 0
         # Records each share session acquired beyond a batch's size and hands out in a later batch: the
         # stream is not idle, nor an AvailableNow run done, while any are carried.
@@ -350,8 +352,7 @@ class BatchPolicy:
         """``b``'s acknowledgements are answered: count what comes back; shrink after lock expiry,
         grow back once batches fit well within the lock again."""
         o = b.outcome
-        if self.available_now_target is not None:
-            self.redeliveries_due += o.released + o.failed + o.expired
+        self.redeliveries_due += o.released + o.failed + o.expired
         held = b.held_ms()
         self.expiry_believed = not (o.expired and held is not None and self.recent_holds
                                     and held <= max(self.recent_holds))

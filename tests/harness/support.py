@@ -414,6 +414,17 @@ def source_progress(q) -> dict:
     return wait_until(stopped, timeout=30, message=f"the tracker of query {q.id} logged no final counts")
 
 
+def long_trigger(at_least_s: int = 60, quiet_s: int = 300) -> str:
+    """A processingTime interval of ``at_least_s`` or more whose next trigger is ``quiet_s`` or more away. Spark
+    starts a trigger at the next multiple of its interval since the epoch (``ProcessingTimeExecutor.nextBatchTime``),
+    not an interval after the last batch: under a plain 60 s trigger the second batch may start a second after the
+    first, and a test about what happens before the next trigger then judges the wrong batch."""
+    now, n = time.time(), max(at_least_s, quiet_s)
+    while n - now % n < quiet_s:
+        n += 1
+    return f"{n} seconds"
+
+
 def wait_until(predicate, timeout: float, interval: float = 0.05, message: str = "condition not met"):
     """Call ``predicate`` until it returns something truthy (returned) or ``timeout`` s pass
     (AssertionError naming ``message``)."""

@@ -5,10 +5,11 @@ driver host lost mid-batch. On the embedded broker in CI; on a real Kafka where 
 Each fault lasts twice the group's record lock. Judged for each: nothing lost; a record delivered twice
 only at or after the fault (on the embedded broker a member joining ends every member's session, so the
 joins of the stream's start may deliver some twice as well: counted apart, never on real Kafka); the
-stream back at half its rate within a record lock after the fault ends, and within a lock of Spark's
-own tasks reaching the worker hosts again (after the driver cut those wait out the kernel's retransmission
-backoff on Spark's connections: the whole within two locks); and, once the query stops, no agent left on
-any host and no member left in the group.
+stream back at half its rate within a lock of Spark's own tasks reaching the worker hosts again, and within a
+lock of the fault's end where the fault does not stop packets (after a cut, of a host's link or of the driver,
+Spark's tasks wait out the kernel's retransmission backoff on Spark's own connections, up to about half the
+cut: the whole within two locks); and, once the query stops, no agent left on any host and no member left in
+the group.
 
 Needs root, socat, iptables and NetfilterQueue (.ci/run installs them); without them a test fails
 saying which."""
@@ -165,7 +166,9 @@ def test_a_hosts_link_cut_for_twice_the_lock_and_restored(namespace_cluster, kaf
     s.steady()
     with NetFaults(namespace_cluster) as faults:
         s.fault(lambda: faults.cut("w2"), lambda: faults.restore("w2"))
-    s.finish()
+    # The batch in flight waits for w2's task; Spark's tasks reached the hosts again 2.6-13.5 s after the link
+    # was back (its own connections' retransmission backoff), spark-share's part 1.0-1.5 s after that.
+    s.finish(back_within=2 * LOCK_S)
 
 
 def test_the_driver_cut_from_its_executors_for_twice_the_lock(namespace_cluster, kafka):

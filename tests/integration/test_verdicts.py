@@ -17,6 +17,7 @@ from harness.support import (
     drain_share_group,
     gid,
     id_col,
+    long_trigger,
     read_stream,
     wait_until,
 )
@@ -135,7 +136,7 @@ def test_long_processing_time_trigger_acknowledges_within_a_second(spark, kafka,
         done[batch_id] = time.monotonic()
 
     q = (read_stream(spark, kafka, kafka.group(gid()), w.topic).writeStream.foreachBatch(process)
-         .option("checkpointLocation", str(tmp_path / "ck")).trigger(processingTime="60 seconds").start())
+         .option("checkpointLocation", str(tmp_path / "ck")).trigger(processingTime=long_trigger()).start())
     try:
         wait_until(lambda: 0 in done, timeout=60, message="first batch never ran")
         wait_until(lambda: spark_share.status(q)["accepted"] == 100, timeout=2,

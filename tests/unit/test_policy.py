@@ -204,6 +204,24 @@ def test_available_now_waits_for_records_it_gave_back():
     assert p.redeliveries_due == 0
 
 
+def test_a_drain_that_starts_after_its_first_batch_waits_for_what_that_batch_released():
+    """Spark < 4.2: spark_share.drain() runs the default trigger and the tracker drains from the listener's
+    first call, after batch 0 was acknowledged. Its releases are due all the same: a batch that brings back
+    some of them does not end the run (the job under Connect on 4.1 ended with 8 of 28 unread)."""
+    p = BatchPolicy(num_slots=2, idle_probe_ms=10_000)
+    p.planned(0, 0.0)
+    b0 = batch(0, [(0, 9)], released=3)
+    saw(p, b0)
+    p.acknowledged(b0)
+    p.start_available_now({("t", 0): 10})
+    b1 = batch(1, [(2, 2)])
+    p.acquired({"t": {"0": [[2, 2]]}}, redelivered=1)
+    assert p.should_run(b1, 0, 0.0) and not p.closing, "2 released records are still to come back"
+    assert p.should_run(batch(2), 0, 0.0), "an empty poll while 2 are due goes on"
+    p.acquired({"t": {"0": [[3, 4]]}}, redelivered=2)
+    assert p.redeliveries_due == 0
+
+
 def test_available_now_ends_when_a_batch_brought_only_newer_records():
     p = available_now({("t", 0): 10, ("t", 1): 10})
     p.planned(0, 0.0)
