@@ -21,7 +21,11 @@ Per size, per batch (the first batches, while connections and caches warm up, ar
   after the warm-up), the bytes it sent per batch;
 - the group's members: at most numPartitions at any time (the agents' process counts every consumer);
 - reads at once: the simulation paces them (4 per agent, at most 256), then, with ``--burst-batches``, starts
-  every read of a batch at once, as a cluster with that many task slots would;
+  every read of a batch at once, as a cluster with that many task slots would, against a tracker stopped
+  (SIGSTOP) for ``BURST_HOLD_S`` meanwhile: each agent's first claim waits in its sockets with every other's
+  (the simulated agents, on the same 2 cores, could not otherwise send them faster than the tracker answers),
+  and the tracker's answers are timed from when it resumes; the row says how many were queued and how long
+  the slowest claim waited;
 - with ``--rejects``: a reject() of that many rows of one batch, sent as the user's process sends it (Arrow
   chunks over TLS): chunks and bytes, the tracker's time to check and keep them, its memory before and
   after, and the verdicts every agent received (each only those on records it holds).
@@ -41,6 +45,9 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from harness import scale_sim  # noqa: E402
 
+# A burst's start: the tracker stopped this long while every read starts (within the 5 s keepalive; long
+# enough for 4,000 read threads to start and each agent's first claim to leave, which the row says).
+BURST_HOLD_S = 2.0
 WARMUP = 20  # batches left out of the figures (connections, caches, the ledger reaching its steady size)
 
 
@@ -61,6 +68,7 @@ def summarize(r: scale_sim.SimResult, agents: int, slots: int, placement: str) -
             "partitionsMsMedian": round(statistics.median(b["partitionsMs"] for b in rows), 1),
             "claimServedMsMedian": round(statistics.median(b["claimServedP50Ms"] for b in rows), 1),
             "acquiredServedMsMedian": round(statistics.median(b["acquiredServedP50Ms"] for b in rows), 1),
+            "claimServedMaxMsMedian": round(statistics.median(b["claimServedMaxMs"] for b in rows), 1),
             "claimRttMsMedian": round(statistics.median(b["claimP50Ms"] for b in rows), 1),
             "acquiredRttMsMedian": round(statistics.median(b["acquiredP50Ms"] for b in rows), 1),
             "trackerCpuMsPerBatch": round(statistics.median(b["cpuMs"] for b in rows), 1),
@@ -70,7 +78,11 @@ def summarize(r: scale_sim.SimResult, agents: int, slots: int, placement: str) -
             "mostMembers": r.most_members, "memberLimit": r.member_limit,
             "lentReads": r.batches[-1].get("relayed", 0), "idleClosed": r.batches[-1].get("closed", 0),
             "reads": agents * slots * len(r.batches),
-            "acked": r.final.get("accepted"), "failed": r.final.get("failed")}
+            "acked": r.final.get("accepted"), "failed": r.final.get("failed"),
+            # a burst: the fewest of the agents' first claims that waited in the stopped tracker, of those reading
+            "queuedInBurstMin": min((b["queuedInBurst"] for b in rows if b.get("queuedInBurst") is not None),
+                                    default=None),
+            "agentsReading": max(b.get("agentsReading", 0) for b in rows)}
 
 
 def table(sizes: list[dict]) -> str:
@@ -84,8 +96,11 @@ def table(sizes: list[dict]) -> str:
             lines.append(f"| {s['agents']} x {s['slotsPerAgent']}, {s['placement']} placement | failed: {s['error'][:200]} |"
                          + " |" * 8)
             continue
+        burst = ("" if s.get("queuedInBurstMin") is None else
+                 f" (a burst: at least {s['queuedInBurstMin']} of {s['agentsReading']} agents' first claims queued "
+                 f"in the stopped tracker; the slowest claim answered in {s['claimServedMaxMsMedian']} ms)")
         lines.append(f"| {s['agents']} x {s['slotsPerAgent']}, {s['batches']} batches, {s['placement']} placement, "
-                     f"{s.get('readsAtOnce', 256):,} reads at once | "
+                     f"{s.get('readsAtOnce', 256):,} reads at once{burst} | "
                      f"{s['trackerAddsMsMedian']} ms ({s['trackerAddsMsP95']}) | "
                      f"{s['latestOffsetMsMedian']} ms | {s['claimServedMsMedian']} / {s['acquiredServedMsMedian']} ms "
                      f"({s['claimRttMsMedian']} / {s['acquiredRttMsMedian']}) | "
@@ -121,14 +136,14 @@ def main(argv: list[str]) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     if len(batches) not in (1, len(counts)):
         ap.error(f"--batches names {len(batches)} counts for {len(counts)} agent counts: give one, or one per agent count")
-    def measure(agents: int, n: int, placement: str, at_once: int | None = None) -> None:
+    def measure(agents: int, n: int, placement: str, at_once: int | None = None, hold_s: float = 0.0) -> None:
         """One size: its figures (or, for a run that failed, why) printed and written as it ends, so a later
         size that fails keeps these. ``at_once``: reads under way at once (the simulation's pace unless
-        given)."""
+        given); ``hold_s``: each batch a burst (scale_sim)."""
         t0 = time.monotonic()
         at_once = at_once or min(4 * agents, 256)
         try:
-            r = scale_sim.run(agents, args.slots, args.partitions, n, placement, concurrency=at_once)
+            r = scale_sim.run(agents, args.slots, args.partitions, n, placement, concurrency=at_once, hold_s=hold_s)
             s = summarize(r, agents, args.slots, placement)
         except AssertionError as e:  # a failed run is a result too: the table says so
             s = {"agents": agents, "slotsPerAgent": args.slots, "placement": placement, "error": str(e)[:500]}
@@ -143,7 +158,7 @@ def main(argv: list[str]) -> int:
     if args.random_batches:
         measure(max(counts), args.random_batches, "random")
     if args.burst_batches:  # every read of a batch at once, as a cluster with that many task slots starts them
-        measure(max(counts), args.burst_batches, args.placement, at_once=max(counts) * args.slots)
+        measure(max(counts), args.burst_batches, args.placement, at_once=max(counts) * args.slots, hold_s=BURST_HOLD_S)
     rejects = None
     if args.rejects:
         agents = max(counts)

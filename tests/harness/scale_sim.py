@@ -17,7 +17,10 @@ a socket of the harness's own):
   places the slots on agents (``placement``: ``sticky``, as a cluster whose tasks keep landing where they
   landed, or ``random``, as Spark's shuffled offers), and each slot claims (``Claim``, opening a member
   only when the tracker grants one) and reports what it "acquired" (``Acquired``: a run of offsets of
-  partitions of the slot's own), and, with ``rejects``, reject()s rows as the user's process does.
+  partitions of the slot's own), and, with ``rejects``, reject()s rows as the user's process does. With ``hold_s``, a burst: every read of a
+  batch starts at once while the tracker process is stopped (SIGSTOP) for that long, so each agent's first
+  claim waits in the tracker's sockets with every other's, as the claims of a cluster's task slots that start
+  together would; the rest of each agent's claims follow bundled (``Bundler``), as a host's would.
 
 It checks what must hold at any size: every batch acknowledged, the group's members never above the
 cap (the agents' process counts every consumer it opens and closes), no request failed.
@@ -30,6 +33,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -91,7 +95,7 @@ def tracker_main(args) -> None:
         out.write(json.dumps(msg) + "\n")
         out.flush()
 
-    say({"address": list(t.address), "secret": t.secret, "tracker_id": t.tracker_id})
+    say({"address": list(t.address), "secret": t.secret, "tracker_id": t.tracker_id, "pid": os.getpid()})
     served = _time_served()
     server = t.server
     sent = lambda: sum(c.bytes_sent for c in list(server.connections))  # noqa: E731
@@ -145,7 +149,8 @@ class _Served:
     def pop_medians(self) -> dict:
         with self.lock:
             times, self.times = self.times, {"claim": [], "acquired": []}
-        return {f"{op}ServedP50Ms": round(statistics.median(v), 2) if v else 0.0 for op, v in times.items()}
+        return {**{f"{op}ServedP50Ms": round(statistics.median(v), 2) if v else 0.0 for op, v in times.items()},
+                **{f"{op}ServedMaxMs": round(max(v), 2) if v else 0.0 for op, v in times.items()}}
 
 
 def _time_served() -> _Served:
@@ -191,10 +196,33 @@ class Members:
             self.most = max(self.most, self.now)
 
 
+class Hold:
+    """A burst's start: the tracker stopped until ``until`` (``time.monotonic()``, the clock every process
+    of this machine shares). What an agent sends before then is stamped as sent then: the tracker times
+    its answer from the stamp, so its figures are its queueing and work from the moment it resumes."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.until = 0.0
+        self.queued = 0  # messages sent while the tracker was stopped
+
+    def begin(self, until: float) -> None:
+        with self.lock:
+            self.until, self.queued = until, 0
+
+    def stamp(self, now: float) -> float:
+        with self.lock:
+            if now < self.until:
+                self.queued += 1
+                return self.until
+        return now
+
+
 class SimAgent:
     """An agent as the tracker sees it: a connection, consumers (counted, not real), answers."""
 
-    def __init__(self, index: int, address, secret: str, members: Members, partitions: int, rows: int, query: str):
+    def __init__(self, index: int, address, secret: str, members: Members, partitions: int, rows: int, query: str,
+                 hold: Hold):
         from spark_share.transport import wire
         from spark_share.transport.protocol import TRACKER_TO_AGENT, Bundler, Hello, call, dispatcher
 
@@ -220,7 +248,7 @@ class SimAgent:
         def stamped(header: dict, *blob):
             """Claims and Acquireds stamped as they leave, alone or bundled: the tracker's process times
             its answer from the stamp (what a read waits for in a bundle is in the round trip)."""
-            now = time.monotonic()
+            now = hold.stamp(time.monotonic())
             for r in header.get("requests", []) if header.get("op") == "bundle" else [header]:
                 if r.get("op") in ("claim", "acquired"):
                     r["sentAt"] = now
@@ -338,10 +366,10 @@ def agents_main(args) -> None:
     """Reads the tracker's address on stdin, then batches ({"batch": n, "slots": [...]}): each batch's
     reads, placed on the agents; writes each batch's claim and acquired RTTs."""
     first = json.loads(sys.stdin.readline())
-    members = Members()
+    members, hold = Members(), Hold()
     with ThreadPoolExecutor(max_workers=16) as boot:
         agents = list(boot.map(lambda i: SimAgent(i, first["address"], first["secret"], members, args.partitions,
-                                                  args.rows_per_slot, first["tracker_id"]), range(args.agents)))
+                                                  args.rows_per_slot, first["tracker_id"], hold), range(args.agents)))
     rng = random.Random(args.seed)
     workers = ThreadPoolExecutor(max_workers=args.concurrency)
     print(json.dumps({"ready": len(agents), "members": members.now}), flush=True)
@@ -354,7 +382,18 @@ def agents_main(args) -> None:
             placed = [rng.randrange(len(agents)) for _ in slots]
         else:  # sticky: slot i always on agent i // slots-per-agent
             placed = [i * len(agents) // max(1, len(slots)) for i in range(len(slots))]
-        futs = [workers.submit(agents[a].read, b, s) for (b, s, _), a in zip(slots, placed)]
+        reading = len(set(placed))
+        if args.hold_s:
+            hold.begin(time.monotonic() + args.hold_s)
+            os.kill(first["pid"], signal.SIGSTOP)
+        try:
+            futs = [workers.submit(agents[a].read, b, s) for (b, s, _), a in zip(slots, placed)]
+            if args.hold_s:  # the burst's length: what is measured, not a synchronisation
+                threading.Event().wait(max(0.0, hold.until - time.monotonic()))
+        finally:
+            if args.hold_s:
+                os.kill(first["pid"], signal.SIGCONT)
+        queued = hold.queued
         wait_futures(futs, timeout=600)
         errors = [f"{type(f.exception()).__name__}: {f.exception()}" for f in futs if f.exception() is not None]
         rtts = [f.result() for f in futs if f.exception() is None]
@@ -362,7 +401,8 @@ def agents_main(args) -> None:
                           "acquiredMs": [round(a, 2) for _, a in rtts], "errors": errors[:5],
                           "members": members.now, "mostMembers": members.most,
                           "verdictsReceived": sum(a.verdicts_received for a in agents),
-                          "closed": members.closed, "relayed": members.relayed}), flush=True)
+                          "closed": members.closed, "relayed": members.relayed,
+                          "agentsReading": reading, "queuedInBurst": queued if args.hold_s else None}), flush=True)
     for a in agents:
         a.conn.close()
         a.reads.close()
@@ -435,8 +475,10 @@ def _send(p: subprocess.Popen, msg: dict) -> None:
 
 
 def run(agents: int, slots: int, partitions: int, batches: int, placement: str = "sticky", seed: int = 1,
-        concurrency: int = 64, progress=None, rows_per_slot: int = RECORDS_PER_SLOT, rejects: int = 0) -> SimResult:
-    """One simulation; the embedded broker lives in this process."""
+        concurrency: int = 64, progress=None, rows_per_slot: int = RECORDS_PER_SLOT, rejects: int = 0,
+        hold_s: float = 0.0) -> SimResult:
+    """One simulation; the embedded broker lives in this process. ``hold_s``: each batch a burst (module
+    docstring), the tracker stopped that long (shorter than the keepalive: 5 s at least)."""
     from spark_share.embedded import EmbeddedKafka
 
     with EmbeddedKafka() as kafka:
@@ -448,7 +490,7 @@ def run(agents: int, slots: int, partitions: int, batches: int, placement: str =
             hello = _line(tracker, 120)
             sims = _child("agents", ["--agents", str(agents), "--partitions", str(partitions), "--placement", placement,
                                      "--seed", str(seed), "--concurrency", str(concurrency),
-                                     "--rows-per-slot", str(rows_per_slot)])
+                                     "--rows-per-slot", str(rows_per_slot), "--hold-s", str(hold_s)])
             _send(sims, hello)
             ready = _line(sims, 600)
             assert ready["ready"] == agents, ready
@@ -464,7 +506,7 @@ def run(agents: int, slots: int, partitions: int, batches: int, placement: str =
                 if read["errors"]:
                     raise AssertionError(f"batch {n}: {read['errors']}")
                 row = {**planned, **{k: read[k] for k in ("members", "mostMembers", "verdictsReceived", "closed",
-                                                          "relayed")},
+                                                          "relayed", "agentsReading", "queuedInBurst")},
                        "claimP50Ms": statistics.median(read["claimMs"]), "claimMaxMs": max(read["claimMs"]),
                        "acquiredP50Ms": statistics.median(read["acquiredMs"]), "acquiredMaxMs": max(read["acquiredMs"])}
                 if rejects and n == 1:  # the second batch: its foreachBatch rejects rows
@@ -507,6 +549,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--concurrency", type=int, default=64, help="read tasks under way at once (Spark's task slots)")
     ap.add_argument("--rows-per-slot", type=int, default=RECORDS_PER_SLOT)
     ap.add_argument("--rejects", type=int, default=0, help="reject() this many rows of the second batch")
+    ap.add_argument("--hold-s", type=float, default=0.0, help="each batch a burst: the tracker stopped this long")
     args = ap.parse_args(argv)
     if args.mode == "tracker":
         tracker_main(args)
@@ -515,7 +558,7 @@ def main(argv: list[str]) -> int:
     else:
         r = run(args.agents, args.slots, args.partitions, args.batches, args.placement, args.seed, args.concurrency,
                 progress=lambda row: print(json.dumps(row), flush=True), rows_per_slot=args.rows_per_slot,
-                rejects=args.rejects)
+                rejects=args.rejects, hold_s=args.hold_s)
         print(json.dumps({"final": r.final, "mostMembers": r.most_members, "memberLimit": r.member_limit,
                           "rejects": r.rejects}))
     return 0

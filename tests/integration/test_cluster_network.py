@@ -137,14 +137,14 @@ class Stream:
         return figures
 
     def spark_resumed(self, back: float) -> float | None:
-        """When Spark's tasks reached the last worker host they reached after the fault ended and before
-        the stream was ``back`` (from the executors' logs, whole seconds rounded down: this errs towards
-        a shorter wait for Spark); None when no task did."""
+        """When Spark's tasks started (their Python code) on the last worker host where one started after the
+        fault ended and before the stream was ``back`` (from the executors' logs, whole seconds rounded down:
+        this errs towards a shorter wait for Spark); None when none did."""
         firsts = []
         for h in self.cluster.hosts:
             if h == "driver":
                 continue
-            after = [t for t in cluster_runs.tasks_assigned(self.cluster, h) if t + 1 > self.cleared_at]
+            after = [t for t in cluster_runs.tasks_started(self.cluster, h) if t + 1 > self.cleared_at]
             if after and after[0] <= back:
                 firsts.append(after[0])
         return max(firsts, default=None)
@@ -180,9 +180,9 @@ def test_the_driver_cut_from_its_executors_for_twice_the_lock(namespace_cluster,
     workers = [h for h in namespace_cluster.hosts if h != "driver"]
     with NetFaults(namespace_cluster) as faults:
         s.fault(lambda: faults.isolate("driver", workers), lambda: faults.clear("driver"))
-    # Back 10.2-13.4 s after this 24 s cut against a 12 s lock; Spark's own tasks reached the hosts 2.8-11.1 s
-    # after the link was back (the kernel's retransmission backoff on Spark's connections), the rest within
-    # a lock of that.
+    # Back 10.2-14.8 s after this 24 s cut against a 12 s lock: Spark's own tasks reach the hosts, and read their
+    # broadcast from the driver, only as the kernel retransmits on Spark's connections (in a CI run: assigned
+    # 2 s after the link was back, broadcasts read 4.6-9.4 s after that); the rest within a lock of that.
     s.finish(back_within=2 * LOCK_S)
 
 

@@ -48,6 +48,19 @@ def test_reads_past_the_cap_are_lent_to_hosts_with_a_free_member_which_never_pas
     assert r.final["accepted"] == 15 * 48 * scale_sim.RECORDS_PER_SLOT, "a slot read nothing"
 
 
+def test_a_burst_of_every_read_at_once_is_served_and_acknowledged():
+    """Every read of a batch starts at once while the tracker is stopped: each agent's first claim waits in
+    its sockets with every other's, the rest follow bundled. Every claim is answered, every batch
+    acknowledged, the members never above the cap."""
+    r = scale_sim.run(agents=10, slots=4, partitions=500, batches=6, concurrency=40, hold_s=1.0)
+    print(f"burst: queued {[b['queuedInBurst'] for b in r.batches]} of {r.batches[-1]['agentsReading']} agents; "
+          f"slowest claim {[b['claimServedMaxMs'] for b in r.batches]} ms")
+    assert all(b["queuedInBurst"] == b["agentsReading"] == 10 for b in r.batches), "a first claim left after the hold"
+    assert r.most_members <= r.member_limit == 40
+    assert r.final["failed"] == 0 and r.final["accepted"] == 6 * 40 * scale_sim.RECORDS_PER_SLOT
+    assert all(b["acked"] and b["acked"]["failed"] == 0 for b in r.batches[1:])
+
+
 def test_rejects_reach_only_the_agents_that_hold_them_in_small_frames():
     """A reject() of 200,000 rows crosses in chunks (no frame near a bound), the tracker checks every row
     against what the batch acquired, and each agent is sent only the verdicts on records it holds (the
