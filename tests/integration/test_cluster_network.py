@@ -180,7 +180,7 @@ def test_the_driver_cut_from_its_executors_for_twice_the_lock(namespace_cluster,
     workers = [h for h in namespace_cluster.hosts if h != "driver"]
     with NetFaults(namespace_cluster) as faults:
         s.fault(lambda: faults.isolate("driver", workers), lambda: faults.clear("driver"))
-    # Back 10.2-14.8 s after this 24 s cut against a 12 s lock: Spark's own tasks reach the hosts, and read their
+    # Back 10.2-14.4 s after this 24 s cut against a 12 s lock: Spark's own tasks reach the hosts, and read their
     # broadcast from the driver, only as the kernel retransmits on Spark's connections (in a CI run: assigned
     # 2 s after the link was back, broadcasts read 4.6-9.4 s after that); the rest within a lock of that.
     s.finish(back_within=2 * LOCK_S)
