@@ -17,10 +17,11 @@ a socket of the harness's own):
   places the slots on agents (``placement``: ``sticky``, as a cluster whose tasks keep landing where they
   landed, or ``random``, as Spark's shuffled offers), and each slot claims (``Claim``, opening a member
   only when the tracker grants one) and reports what it "acquired" (``Acquired``: a run of offsets of
-  partitions of the slot's own), and, with ``rejects``, reject()s rows as the user's process does. With ``hold_s``, a burst: every read of a
-  batch starts at once while the tracker process is stopped (SIGSTOP) for that long, so each agent's first
-  claim waits in the tracker's sockets with every other's, as the claims of a cluster's task slots that start
-  together would; the rest of each agent's claims follow bundled (``Bundler``), as a host's would.
+  partitions of the slot's own), and, with ``rejects``, reject()s rows as the user's process does. With
+  ``hold_s``, a burst: every read of a batch starts at once while the tracker process is stopped (SIGSTOP)
+  for that long, so each agent's first claim waits in the tracker's sockets with every other's, as the
+  claims of a cluster's task slots that start together would; the rest of each agent's claims follow
+  bundled (``Bundler``), as a host's would.
 
 It checks what must hold at any size: every batch acknowledged, the group's members never above the
 cap (the agents' process counts every consumer it opens and closes), no request failed.
