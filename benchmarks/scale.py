@@ -51,15 +51,28 @@ BURST_HOLD_S = 2.0
 WARMUP = 20  # batches left out of the figures (connections, caches, the ledger reaching its steady size)
 
 
+def _slope(ys: list[float], at_least: int = 11) -> float:
+    """Least-squares growth per step (0 for too few steps to say)."""
+    n = len(ys)
+    if n < at_least:
+        return 0.0
+    mean_x, mean_y = (n - 1) / 2, statistics.fmean(ys)
+    return sum((i - mean_x) * (y - mean_y) for i, y in enumerate(ys)) / sum((i - mean_x) ** 2 for i in range(n))
+
+
+def _steady_growth(ys: list[int], window: int = 20) -> int | None:
+    """Growth per 100 batches over the second half of ``ys``, from the medians of ``window`` batches (a
+    sample taken during a transient peak moves a median, not the slope); None for runs too short."""
+    half = ys[len(ys) // 2:]
+    medians = [statistics.median(half[i:i + window]) for i in range(0, len(half) - window + 1, window)]
+    return None if len(medians) < 4 else round(_slope(medians, at_least=4) * 100 / window)
+
+
 def summarize(r: scale_sim.SimResult, agents: int, slots: int, placement: str) -> dict:
     rows = r.batches[WARMUP:] if len(r.batches) > 2 * WARMUP else r.batches
     adds = [b["latestOffsetMs"] + b["partitionsMs"] + b["claimServedP50Ms"] + b["acquiredServedP50Ms"] for b in rows]
     rss = [b["rssMb"] for b in rows]
-    slope = 0.0
-    if len(rss) > 10:
-        n = len(rss)
-        mean_x, mean_y = (n - 1) / 2, statistics.fmean(rss)
-        slope = sum((i - mean_x) * (y - mean_y) for i, y in enumerate(rss)) / sum((i - mean_x) ** 2 for i in range(n))
+    blocks = [b["pyBlocks"] for b in rows]
     return {"agents": agents, "slotsPerAgent": slots, "slots": agents * slots, "batches": len(r.batches),
             "placement": placement,
             "trackerAddsMsMedian": round(statistics.median(adds), 1),
@@ -73,7 +86,12 @@ def summarize(r: scale_sim.SimResult, agents: int, slots: int, placement: str) -
             "acquiredRttMsMedian": round(statistics.median(b["acquiredP50Ms"] for b in rows), 1),
             "trackerCpuMsPerBatch": round(statistics.median(b["cpuMs"] for b in rows), 1),
             "threadsMax": max(b["threads"] for b in r.batches),
-            "rssMbStart": rss[0], "rssMbEnd": rss[-1], "rssMbPer100Batches": round(slope * 100, 2),
+            "rssMbStart": rss[0], "rssMbEnd": rss[-1], "rssMbPer100Batches": round(_slope(rss) * 100, 2),
+            # The Python heap in blocks, over the second half of the run: a leak of objects grows it batch
+            # after batch. RSS also keeps the allocator's high-water mark of transient peaks (a watermark
+            # refresh of 10,000 partitions holds about 150,000 blocks for a moment), and the first backlog
+            # view (a dict per partition, kept for status()) comes a few hundred batches in.
+            "pyBlocksEnd": blocks[-1], "pyBlocksPer100Batches": _steady_growth(blocks),
             "bytesSentPerBatch": int(statistics.median(b["bytesSent"] for b in rows)),
             "mostMembers": r.most_members, "memberLimit": r.member_limit,
             "lentReads": r.batches[-1].get("relayed", 0), "idleClosed": r.batches[-1].get("closed", 0),
@@ -85,10 +103,16 @@ def summarize(r: scale_sim.SimResult, agents: int, slots: int, placement: str) -
             "agentsReading": max(b.get("agentsReading", 0) for b in rows)}
 
 
+def _signed(n: int | None) -> str:
+    return "-" if n is None else f"{n:+,}"
+
+
 def table(sizes: list[dict]) -> str:
     head = ("| agents x slots | tracker adds per batch, median (p95) | latestOffset | claim / acquired answered in "
             "(round trip seen by the simulated agents) | "
-            "tracker CPU per batch | threads | RSS start -> end (per 100 batches) | sent per batch | members (cap) | "
+            "tracker CPU per batch | threads | RSS start -> end (per 100 batches); Python heap blocks per 100 batches, "
+            "second half | "
+            "sent per batch | members (cap) | "
             "reads lent at the cap |")
     lines = [head, "|" + "---|" * 10]
     for s in sizes:
@@ -105,7 +129,8 @@ def table(sizes: list[dict]) -> str:
                      f"{s['latestOffsetMsMedian']} ms | {s['claimServedMsMedian']} / {s['acquiredServedMsMedian']} ms "
                      f"({s['claimRttMsMedian']} / {s['acquiredRttMsMedian']}) | "
                      f"{s['trackerCpuMsPerBatch']} ms | {s['threadsMax']} | {s['rssMbStart']} -> {s['rssMbEnd']} MB "
-                     f"({s['rssMbPer100Batches']:+.2f}) | {s['bytesSentPerBatch'] / 1024:.0f} KB | "
+                     f"({s['rssMbPer100Batches']:+.2f}); {_signed(s['pyBlocksPer100Batches'])} of {s['pyBlocksEnd']:,} | "
+                     f"{s['bytesSentPerBatch'] / 1024:.0f} KB | "
                      f"{s['mostMembers']} ({s['memberLimit']}) | {s['lentReads']:,} of {s['reads']:,} |")
     return "\n".join(lines)
 

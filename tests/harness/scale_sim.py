@@ -125,7 +125,7 @@ def tracker_main(args) -> None:
         say({"batch": cmd["batch"], "slots": [[p.batch, p.slot, p.max_records] for p in parts],
              "latestOffsetMs": round((t1 - t0) * 1000, 2), "partitionsMs": round((t2 - t1) * 1000, 2),
              "cpuMs": round((cpu_now - cpu_was) * 1000, 1), "threads": _threads(), "poolThreads": _pool_threads(),
-             "rssMb": round(_rss_mb(), 1), "bytesSent": bytes_now - bytes_was,
+             "rssMb": round(_rss_mb(), 1), "pyBlocks": sys.getallocatedblocks(), "bytesSent": bytes_now - bytes_was,
              "members": t.members.total, "memberLimit": t.members.cap,
              "acked": _last_acked(t), **served.pop_medians()})
         cpu_was, bytes_was = cpu_now, bytes_now

@@ -24,6 +24,7 @@ By hand (what the fixture does), e.g. for a driver host and one worker::
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -269,6 +270,36 @@ class NamespaceCluster:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the broker port {port} is not reachable from {host}")
             time.sleep(0.2)
+
+    @contextlib.contextmanager
+    def tcp_backoff_capped(self, rto_max_ms: int = 1000, outlast_s: int = 60):
+        """Within: connections opened on any host retransmit at least every ``rto_max_ms`` (the kernel's
+        ``net.ipv4.tcp_rto_max_ms``, Linux 6.15 on; 120 s by default), and give up only after about
+        ``outlast_s`` without an answer (``tcp_retries2`` raised to match: a lower cap alone shortens the
+        time a connection survives a cut, to 14 s at 1 s and the default 15 retries). What a host whose
+        jobs must resume promptly after a network cut would set. Yields False, changing nothing, on a
+        kernel without the setting."""
+        if not os.path.exists("/proc/sys/net/ipv4/tcp_rto_max_ms"):
+            yield False
+            return
+        retries = 2 + outlast_s * 1000 // rto_max_ms  # the first doublings (0.2 s .. the cap) come on top
+        was = {h: {k: self._sysctl(h, k) for k in ("tcp_rto_max_ms", "tcp_retries2")} for h in self.hosts}
+        for h in self.hosts:
+            self._sysctl(h, "tcp_rto_max_ms", rto_max_ms)
+            self._sysctl(h, "tcp_retries2", retries)
+        try:
+            yield True
+        finally:
+            for h, values in was.items():
+                for k, v in values.items():
+                    self._sysctl(h, k, v)
+
+    def _sysctl(self, host: str, key: str, value: int | None = None) -> int:
+        """``net.ipv4.<key>`` in ``host``'s network namespace: read, or set to ``value``."""
+        argv = ["ip", "netns", "exec", self.ns(host), "sysctl", "-n"]
+        argv += [f"net.ipv4.{key}"] if value is None else ["-w", f"net.ipv4.{key}={value}"]
+        out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+        return int(out.split()[-1]) if value is None else value
 
     def pids(self, host: str) -> list[int]:
         """Every process on ``host`` (in its network namespace)."""
