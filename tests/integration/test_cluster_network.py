@@ -161,19 +161,25 @@ class Stream:
             wait_until(lambda: members(self.group) == [], timeout=30, message="a member outlived its query")
 
 
+def _cut(cluster, kafka, name: str, start, end) -> None:
+    """A stream through a cut (``start(faults)``, twice the lock, ``end(faults)``), judged with the kernel's
+    TCP backoff capped: the whole recovery within a lock (within two where the kernel cannot cap it)."""
+    with cluster.tcp_backoff_capped() as capped:
+        print(f"TCP retransmission backoff capped on every host: {capped}")
+        s = Stream(cluster, kafka, name)
+        s.steady()
+        with NetFaults(cluster) as faults:
+            s.fault(lambda: start(faults), lambda: end(faults))
+        s.finish(back_within=LOCK_S if capped else 2 * LOCK_S)
+
+
 def test_a_hosts_link_cut_for_twice_the_lock_and_restored(namespace_cluster, kafka):
     """A worker host's link goes down (a network partition of that host) for twice the record lock. Its
     agent and the tracker each find the other gone (keepalive) and let go of what it held; the broker
     gives its records to the other hosts; the query goes on there and, once the link is back, on all."""
-    with namespace_cluster.tcp_backoff_capped() as capped:
-        print(f"TCP retransmission backoff capped on every host: {capped}")
-        s = Stream(namespace_cluster, kafka, "cut")
-        s.steady()
-        with NetFaults(namespace_cluster) as faults:
-            s.fault(lambda: faults.cut("w2"), lambda: faults.restore("w2"))
-        # The batch in flight waits for w2's task, which reaches the driver when the kernel next retransmits
-        # on Spark's connection: with the kernel's default backoff, 2.6-13.5 s after the link was back.
-        s.finish(back_within=LOCK_S if capped else 2 * LOCK_S)
+    # The batch in flight waits for w2's task, which reaches the driver when the kernel next retransmits
+    # on Spark's connection: with the kernel's default backoff, 2.6-13.5 s after the link was back.
+    _cut(namespace_cluster, kafka, "cut", lambda f: f.cut("w2"), lambda f: f.restore("w2"))
 
 
 def test_the_driver_cut_from_its_executors_for_twice_the_lock(namespace_cluster, kafka):
@@ -181,16 +187,10 @@ def test_the_driver_cut_from_its_executors_for_twice_the_lock(namespace_cluster,
     reach the broker. Agents find their tracker gone and release what they hold; the tracker counts them
     lost; once the network is back, read tasks start new agents and the stream goes on."""
     workers = [h for h in namespace_cluster.hosts if h != "driver"]
-    with namespace_cluster.tcp_backoff_capped() as capped:
-        print(f"TCP retransmission backoff capped on every host: {capped}")
-        s = Stream(namespace_cluster, kafka, "partition")
-        s.steady()
-        with NetFaults(namespace_cluster) as faults:
-            s.fault(lambda: faults.isolate("driver", workers), lambda: faults.clear("driver"))
-        # With the kernel's default backoff, back 10.2-14.4 s after this 24 s cut: Spark's tasks reach the hosts,
-        # and read their broadcast from the driver, only as the kernel retransmits on Spark's connections (in a
-        # CI run: assigned 2 s after the link was back, broadcasts read 4.6-9.4 s after that).
-        s.finish(back_within=LOCK_S if capped else 2 * LOCK_S)
+    # With the kernel's default backoff, back 10.2-14.4 s after this 24 s cut: Spark's tasks reach the hosts,
+    # and read their broadcast from the driver, only as the kernel retransmits on Spark's connections (in a
+    # CI run: assigned 2 s after the link was back, broadcasts read 4.6-9.4 s after that).
+    _cut(namespace_cluster, kafka, "partition", lambda f: f.isolate("driver", workers), lambda f: f.clear("driver"))
 
 
 def test_delay_and_loss_on_a_hosts_link(namespace_cluster, kafka):
