@@ -113,6 +113,15 @@ class BatchLedger:
         b.claims[slot] = agent_id
         return True
 
+    def more(self, batch: int, slot: int, want: int, agent_id: str) -> int:
+        """How many of the ``want`` records the read of (batch, slot) polled beyond its grant it may hand out
+        (``BatchPolicy.more``): 0 unless ``agent_id`` is the slot's reader and the batch is still being read."""
+        with self.lock:
+            b = self.batches.get(batch)
+            if self.stopping or b is None or b.state != PLANNED or b.claims.get(slot) != agent_id or slot in b.acquired:
+                return 0
+            return self.policy.more(b, slot, want)
+
     def granted(self, batch: int, slot: int) -> int | None:
         with self.lock:
             return self.batches[batch].granted.get(slot)
@@ -139,6 +148,7 @@ class BatchLedger:
                                   "acquired_at": m.acquired_at, "offsets": m.offsets, "timed_out": m.timed_out,
                                   "reported_at": time.time(), "convert_ms": m.convert_ms}
             self.policy.acquired(m.offsets, m.redelivered, (agent_id, m.session), m.carried)
+            self.policy.unused(b, m.slot, m.rows)
             self.policy.answered_empty(m.answered)
             limit = self.max_delivery_count
             if m.poison:

@@ -6,8 +6,8 @@ the high watermarks moved, or the idle probe is due; AvailableNow: until every r
 start's high watermarks was seen and nothing given back or carried is still due), how long carried
 records may wait (a fraction of the lock),
 how many read slots a batch gets and how many records each may take (its share of the lock budget
-and of ``maxRecordsPerTrigger``, halved per consumer whenever a batch outlived the record lock), and
-what it knows of the lock.
+and of ``maxRecordsPerTrigger``, halved per consumer whenever a batch outlived the record lock; what a
+batch's reads leave of its cap goes to a read that polled more: ``more``), and what it knows of the lock.
 
 Must never: touch a socket, Kafka or Spark, wait, or lock (the tracker calls it under its lock). It
 is a plain object so that it can be tested in milliseconds.
@@ -322,6 +322,39 @@ class BatchPolicy:
         if carrying > want:
             want = carrying if self.lock_safe_records is None else min(carrying, max(want, self.lock_safe_records))
         return max(0, min(want, left))
+
+    def more(self, b: BatchState, slot: int, want: int) -> int:
+        """The read of ``slot`` polled ``want`` records beyond its grant: how many of them it may hand out now.
+
+        A poll brings whole producer batches, so it often ends a few records past its grant; carried to the
+        next batch, they were that session's whole read there (it may not poll again before they are
+        acknowledged): a batch of the slot's share, then one of the few carried, over and over. And where the
+        queue's records sit on the partitions of few members (the members are capped below the partitions:
+        each has partitions of its own on Kafka; after a host loss one holds two), the slots whose members
+        found nothing leave their share of the cap unused while the member with records takes one share.
+        So the cap left over (slots not claimed yet, reads that handed out less than they were granted:
+        ``unused``) goes to a read that has more, at most the lock-safe records per consumer; the cap itself
+        is never exceeded. None under a batch polled ahead (its polls started with even shares) or without
+        a cap."""
+        if b.max_records is None or b.prefetched or want <= 0:
+            return 0
+        granted = b.granted.get(slot) or 0
+        room = b.max_records - b.granted_total
+        if self.lock_safe_records is not None:
+            room = min(room, self.lock_safe_records - granted)
+        extra = max(0, min(want, room))
+        if extra:
+            b.granted[slot] = granted + extra
+            b.granted_total += extra
+        return extra
+
+    def unused(self, b: BatchState, slot: int, rows: int) -> None:
+        """The read of ``slot`` handed out ``rows``: what it was granted beyond them goes back to the batch's cap
+        (``more`` gives it to a read that has more)."""
+        granted = b.granted.get(slot)
+        if granted is not None and rows < granted:
+            b.granted[slot] = rows
+            b.granted_total -= granted - rows
 
     # --- what the batches report -------------------------------------------------------------------
     @property

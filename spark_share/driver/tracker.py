@@ -46,6 +46,7 @@ from ..transport.protocol import (
     Fetch,
     Hello,
     Member,
+    More,
     Status,
     Trim,
     Verdicts,
@@ -96,7 +97,7 @@ def _bind_host() -> str:
 
 
 def _on_the_loop(header: dict) -> bool:
-    """The requests every read sends (two per slot and batch: thousands at scale), alone or bundled, are
+    """The requests every read sends (two or three per slot and batch: thousands at scale), alone or bundled, are
     handled on the wire's loop, not handed to a thread: each takes the ledger's lock briefly and waits on
     no peer. A read that needs another agent to give up a member waits for it (``Member``): that goes to
     a thread."""
@@ -259,6 +260,10 @@ class Tracker:
         log.warning("batch %d slot %d: agent %s has no free share consumer and the query has its %d members elsewhere, "
                     "all in use: the slot reads nothing", m.batch, m.slot, agent_id, self.members.cap)
         return {"open": False}
+
+    def _on_more(self, conn: wire.RpcConnection, m: More) -> dict:
+        """A read polled more than its claim granted: how many more it may hand out in this batch."""
+        return {"more": self.ledger.more(m.batch, m.slot, m.want, agent_of(conn))}
 
     def _on_acquired(self, conn: wire.RpcConnection, m: Acquired) -> dict:
         agent_id = agent_of(conn)

@@ -49,6 +49,7 @@ from ..transport.protocol import (
     Fetch,
     Hello,
     Member,
+    More,
     Ping,
     Prefetch,
     Read,
@@ -70,6 +71,7 @@ log = logging.getLogger("spark_share.executor.agent")
 CLOSE_WAIT_S = 30.0  # at shutdown, for the consumers to close (their releases wait for the broker)
 CONNECT_WAIT_S = 30.0  # a new agent tries to reach its tracker this long...
 CONNECT_ATTEMPT_S = 2.0  # ...in attempts of this long
+MORE_TIMEOUT_S = 10.0  # a read asks the tracker how many records beyond its grant it may hand out, this long
 
 
 @dataclass
@@ -209,7 +211,8 @@ class Agent:
             taken, session = session, None  # from here on, the read owns it
             try:
                 if polled is None:
-                    polled = taken.poll(batch, slot, granted, poll_budget(taken, poll_timeout_ms), claim.get("carry_ms"))
+                    polled = taken.poll(batch, slot, granted, poll_budget(taken, poll_timeout_ms), claim.get("carry_ms"),
+                                        more=lambda want: self._more(batch, slot, want))
                 rb, holding = polled.result()
                 holding.batch, holding.slot = batch, slot
             except MemberRefused as e:
@@ -254,6 +257,19 @@ class Agent:
                 ev = self._inflight.pop(key, None)
             if ev is not None:
                 ev.set()
+
+    def _more(self, batch: int, slot: int, want: int) -> int:
+        """How many of the ``want`` records a poll of (batch, slot) brought beyond its grant it may hand out now
+        (the batch's cap left over: ``BatchPolicy.more``); on the session's thread, bounded. 0 when the tracker
+        does not answer in time: they are carried, as before (a grant it made meanwhile goes back to the
+        batch when this read reports what it handed out)."""
+        try:
+            rep, _ = self.reads.call(More(batch, slot, want), timeout=MORE_TIMEOUT_S)
+            return int(rep.get("more", 0))
+        except Exception as e:  # noqa: BLE001 - the read goes on with what it was granted
+            log.info("agent %s: batch %d slot %d: no answer to how many more records it may hand out (%s); "
+                     "they are carried", self.agent_id, batch, slot, self._scrub(str(e)))
+            return 0
 
     def _refused(self, session, batch: int, slot: int, spark_batch, query_id, key, why: str) -> tuple[dict, bytes]:
         """The group refused the member this read opened (group.share.max.size): it leaves, the read gets

@@ -3,7 +3,8 @@
 Owns: a confluent-kafka ``ShareConsumer`` and the records it has acquired but not yet
 acknowledged (at most one poll's worth, which the client requires). A poll may hand out more than a
 batch may take (the broker acquires whole record batches; librdkafka has no strict record limit,
-KIP-1206): the excess is carried, still acquired, and is what the session's next poll returns, so
+KIP-1206): what the batch's cap has no room for (the tracker says how much it has: ``more``) is carried,
+still acquired, and is what the session's next poll returns, so
 that no record is released (a release counts toward the delivery limit) to honour a batch's size,
 unless it grew too old to be handed out within its lock. Work arrives as commands
 (poll, acknowledge, close) on a queue and runs in order on the session's own thread, so an
@@ -154,12 +155,14 @@ class ShareSession:
 
     # commands ---------------------------------------------------------------------------
     def poll(self, batch: int, slot: int, max_records: int | None, timeout_ms: int,
-             carry_ms: float | None = None) -> Future:
+             carry_ms: float | None = None, more: Callable[[int], int] | None = None) -> Future:
         """Acquire one poll for (batch, slot). Result: (RecordBatch, Holding). Returns as soon as
         records arrive; empty once a fetch sent after the poll began came back without any (the
         queue has nothing for this consumer now), or after ``timeout_ms``. Records carried from an
-        earlier poll come first, while younger than ``carry_ms`` (older ones are released)."""
-        return self._submit(lambda: self._poll(batch, slot, max_records, timeout_ms, carry_ms))
+        earlier poll come first, while younger than ``carry_ms`` (older ones are released). A poll
+        that brought more than ``max_records`` asks ``more`` (with how many more) how many of them it
+        may hand out too; what is left is carried."""
+        return self._submit(lambda: self._poll(batch, slot, max_records, timeout_ms, carry_ms, more))
 
     def acknowledge(self, verdicts: VerdictSet | None, timeout_s: float) -> Future:
         """Acknowledge everything held: ACCEPT unless ``verdicts`` says otherwise. Result: AckOutcome."""
@@ -223,7 +226,7 @@ class ShareSession:
             time.sleep(min(left, POLL_SLICE_S))
 
     def _poll(self, batch: int, slot: int, max_records: int | None, timeout_ms: int,
-              carry_ms: float | None = None) -> tuple[Any, Holding]:
+              carry_ms: float | None = None, more: Callable[[int], int] | None = None) -> tuple[Any, Holding]:
         if self.holding is not None:
             raise AgentError(f"session {self.session_id} still holds batch {self.holding.batch} "
                                f"slot {self.holding.slot}; it must be acknowledged first")
@@ -246,6 +249,8 @@ class ShareSession:
                         log.warning("session %s: poll returned an error for %s-%s: %s", self.session_id,
                                     m.topic(), m.partition(), self._scrub(str(m.error())))
         self._carried = []
+        if max_records is not None and len(good) > max_records and more is not None:
+            max_records += max(0, min(len(good) - max_records, more(len(good) - max_records)))
         if max_records is not None and len(good) > max_records:
             good, self._carried = good[:max_records], good[max_records:]
             self._carried_at = acquired_at

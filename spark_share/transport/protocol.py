@@ -92,6 +92,17 @@ class Member(Message):
 
 
 @dataclass
+class More(Message):
+    """The asking agent's read of (batch, slot) polled ``want`` records beyond what its claim granted: may it
+    hand them out in this batch? The reply's ``more`` is how many (what the batch's cap has left: slots
+    not claimed yet, or reads that handed out less than they were granted); the rest is carried."""
+    op: ClassVar[str] = "more"
+    batch: int
+    slot: int
+    want: int = 0
+
+
+@dataclass
 class Acquired(Message):
     """What a (batch, slot) acquired, reported before any row of it reaches Spark."""
     op: ClassVar[str] = "acquired"
@@ -265,10 +276,10 @@ class Bundle(Message):
     requests: list[dict] = field(default_factory=list)
 
 
-BUNDLED = frozenset(("claim", "acquired"))  # answered at once, without a blob, never by another peer
+BUNDLED = frozenset(("claim", "more", "acquired"))  # answered at once, without a blob, never by another peer
 
-TO_TRACKER: tuple[type[Message], ...] = (Hello, Claim, Member, Acquired, Fetch, Committed, Verdicts, Status, Drain,
-                                         Bundle)
+TO_TRACKER: tuple[type[Message], ...] = (Hello, Claim, Member, More, Acquired, Fetch, Committed, Verdicts, Status,
+                                         Drain, Bundle)
 TRACKER_TO_AGENT: tuple[type[Message], ...] = (Prefetch, Stage, Ack, AckResult, DeadLetter, Fetch, Trim, Shutdown,
                                                 Ping)
 TASK_TO_AGENT: tuple[type[Message], ...] = (Read, Ping)

@@ -18,12 +18,21 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from confluent_kafka import KafkaError, KafkaException
-from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic, ResourceType
+from confluent_kafka.admin import (
+    AdminClient,
+    AlterConfigOpType,
+    ConfigEntry,
+    ConfigResource,
+    NewPartitions,
+    NewTopic,
+    ResourceType,
+)
 
 from spark_share.embedded import EmbeddedKafka
 from spark_share.options import scrub
 
 ADMIN_TIMEOUT_S = 30.0  # every Admin API call's bound
+PARTITIONS_PER_REQUEST = 5_000  # partitions one CreateTopics or CreatePartitions request makes (KRaft: at most 10,000 records)
 MEMBERS_LEAVE_S = 15.0  # how long close() asks again to delete a group whose members are still leaving
 MEMBERS_LEAVE_POLL_S = 0.5
 
@@ -101,10 +110,18 @@ class ExternalCluster:
     def create_topic(self, name: str, partitions: int = 1, replication_factor: int = -1) -> str:
         """Creates the topic under its real name (returned); replication -1: the broker's default."""
         real = self.name(name)
-        futures = self._admin.create_topics([NewTopic(real, partitions, replication_factor)],
+        # KRaft refuses a request that writes more than 10,000 metadata records ("excessively large batch
+        # operation"), one per partition: a large topic is created, then grown, in steps.
+        first = min(partitions, PARTITIONS_PER_REQUEST)
+        futures = self._admin.create_topics([NewTopic(real, first, replication_factor)],
                                             request_timeout=ADMIN_TIMEOUT_S, operation_timeout=ADMIN_TIMEOUT_S)
         self._topics.append(real)  # deleted at close even if the answer is lost
-        self._result(futures[real], f"creating topic {real} ({partitions} partitions)")
+        self._result(futures[real], f"creating topic {real} ({first} partitions)")
+        for total in range(first + PARTITIONS_PER_REQUEST, partitions + PARTITIONS_PER_REQUEST, PARTITIONS_PER_REQUEST):
+            total = min(total, partitions)
+            grown = self._admin.create_partitions([NewPartitions(real, total)], request_timeout=ADMIN_TIMEOUT_S,
+                                                  operation_timeout=ADMIN_TIMEOUT_S)
+            self._result(grown[real], f"growing topic {real} to {total} partitions")
         self._wait_until_visible(real, partitions)
         return real
 

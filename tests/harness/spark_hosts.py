@@ -74,15 +74,29 @@ def _tail(path: str, n: int = 3000) -> str:
         return "(no log)"
 
 
+# What the namespace-cluster tests need beyond the venv: ./dev test installs it when it runs as root.
+INSTALL_HINT = ("as root, ./dev test installs them; or apt-get install iproute2 util-linux socat iptables "
+                "libnetfilter-queue-dev gcc, then .venv/bin/pip install NetfilterQueue")
+
+
+def missing_requirements() -> list[str]:
+    """What this machine lacks for the namespace-cluster tests: root, the tools, NetfilterQueue."""
+    missing = [] if os.geteuid() == 0 else ["root (network namespaces)"]
+    missing += [f"`{tool}`" for tool in ("ip", "unshare", "socat", "iptables") if shutil.which(tool) is None]
+    try:
+        import netfilterqueue  # noqa: F401
+    except ImportError:
+        missing.append("NetfilterQueue (libnetfilter-queue)")
+    return missing
+
+
 class NamespaceCluster:
     """``workers`` worker hosts (``cores`` each) and a driver host that also runs the master."""
 
     def __init__(self, workers: int = 2, cores: int = 1, memory: str = "1g"):
-        if os.geteuid() != 0:
-            raise RuntimeError("the cluster tests need root, to create network namespaces (ip netns, unshare)")
-        for tool in ("ip", "unshare", "socat"):
-            if shutil.which(tool) is None:
-                raise RuntimeError(f"the cluster tests need `{tool}` (Debian: apt-get install iproute2 util-linux socat)")
+        missing = missing_requirements()
+        if missing:
+            raise RuntimeError(f"the cluster tests need {', '.join(missing)} ({INSTALL_HINT})")
         import pyspark
 
         self.spark_home = os.path.dirname(pyspark.__file__)

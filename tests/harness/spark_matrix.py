@@ -31,14 +31,17 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUNTIMES = os.path.join(ROOT, "tests", "runtimes.json")
 VENVS = os.path.join(ROOT, ".venv-spark")
-TEST_TOOLS = ["pytest>=8", "psutil>=5.9", "chispa>=0.10", "nbclient>=0.10", "nbformat>=5", "ipykernel>=6"]
+TEST_TOOLS = ["pytest>=8", "psutil>=5.9", "chispa>=0.10", "nbclient>=0.10", "nbformat>=5", "ipykernel>=6",
+              "pyyaml>=6"]  # pyyaml: the spark-pipelines command (pyspark[pipelines]) and the pipeline tests
 # The core, on every entry: what differs between Sparks (and the version check), the source
 # (AvailableNow, drains, idle, restarts), verdicts and dead letters, the fault rows the embedded broker
 # injects (ShareFetch and ShareAcknowledge errors, the broker down, a dead-letter topic that refuses
 # writes) and those whose path runs through Spark's calls (a crash after the sink's write, replays,
-# zombie reads), the scheduled job end to end and its demo, and Spark Connect.
+# zombie reads), the scheduled job end to end and its demo, the example pipeline's updates, and Spark Connect.
 JOB_RUNS = ["integration/test_job.py::test_job_end_to_end_on_the_embedded_broker",
-            "integration/test_job.py::test_job_file_without_arguments_runs_the_embedded_demo"]
+            "integration/test_job.py::test_job_file_without_arguments_runs_the_embedded_demo",
+            # The example declarative pipeline's updates (Spark >= 4.2; the module skips itself before).
+            "integration/test_pipelines.py::test_each_update_drains_the_queue_and_the_next_reads_only_what_arrived_since"]
 CORE = [
     "unit/test_version_check.py",
     "integration/test_spark_versions.py",

@@ -72,7 +72,11 @@ def namespace_cluster():
     """A Spark standalone cluster of network-namespace hosts (tests/harness/spark_hosts.py), started once for
     the run by the first test that asks for it: its driver programs reach the test's broker through it."""
     from harness.cluster_runs import start_cluster
+    from harness.spark_hosts import INSTALL_HINT, missing_requirements
 
+    missing = missing_requirements()
+    if missing:
+        pytest.skip(f"the namespace-cluster tests need {', '.join(missing)}: {INSTALL_HINT}")
     cluster = start_cluster()
     try:
         yield cluster

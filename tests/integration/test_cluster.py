@@ -173,8 +173,11 @@ def test_a_host_lost_mid_stream(cluster, kafka):
     """One worker host dies (its worker, executor, Python workers and agent: SIGKILL) in the middle
     of a stream: the query goes on on the other hosts, nothing is lost, the records the host held come
     back once (no record is delivered more than twice: nothing of ours raises a delivery count on the
-    way, so none reaches Kafka's delivery throttle), and the stream is back at its pre-loss rate (at
-    least half of it, on two hosts of three) within one record-lock duration plus 10 s."""
+    way, so none reaches Kafka's delivery throttle), and the stream is back at its pre-loss rate within one
+    record-lock duration (issue 48: the query's members are capped below the topic's partitions, so on Kafka
+    each holds partitions of its own, the lost one's until the group's session timeout, then one member two:
+    a batch's cap must go where the records are, or the backlog there drains at one slot's share and the
+    stream did not deliver every record within 300 s of the producer's stop)."""
     kafka.set_record_lock_duration(LOSS_LOCK_S * 1000)
     w = Workload(kafka, "jobs", partitions=4)
     for _ in range(15):  # a backlog in small sends, then more than the stream reads (300 a batch, about 1 s)
@@ -220,17 +223,17 @@ def test_a_host_lost_mid_stream(cluster, kafka):
     report = check_no_loss(ids, ids_of(rows), duplicates_reason=f"host {victim} was lost mid-stream")
     counts = Counter(r["deliveryCount"] for r in rows)
     pre = _rate(before[1:])  # batch 0 includes the start-up
-    # Recovered at the end of the first three batches in a row, after the loss, at half the pre-loss rate.
+    # Recovered at the end of the first three batches in a row, after the loss, at the pre-loss rate.
     series = [before[-1]] + after
-    back = next((b[-1]["t"] for b in (series[i - 3:i + 1] for i in range(3, len(series))) if _rate(b) >= pre / 2),
+    back = next((b[-1]["t"] for b in (series[i - 3:i + 1] for i in range(3, len(series))) if _rate(b) >= pre),
                 None)
     took = None if back is None else back - killed_at
     message = (f"host {victim} lost ({len(killed)} processes killed): {pre:.0f} rows/s before it; after it "
-               f"{[(round(b['t'] - killed_at, 1), b['count']) for b in after][:30]}; back at half the rate after "
+               f"{[(round(b['t'] - killed_at, 1), b['count']) for b in after][:30]}; back at the pre-loss rate after "
                f"{'never' if took is None else f'{took:.1f} s'}; {report.duplicates} records delivered twice; "
                f"delivery counts {dict(sorted(counts.items()))}")
     print(message)
-    assert took is not None and took <= LOSS_LOCK_S + 10, message
+    assert took is not None and took <= LOSS_LOCK_S, message
     assert max(counts) <= 2, f"a record was delivered more than twice after one host loss: {message}"
     assert drain_share_group(kafka, group, [w.topic], timeout=3) == []
 
@@ -295,7 +298,8 @@ def test_agents_on_a_cluster_join_with_one_consumer(kafka, monkeypatch):
             conn = SimpleNamespace(info={}, set_keepalive=lambda s: None)
             assert t._on_hello(conn, Hello(f"a-{master}", "w1", 1))["slots"] == slots, master
             assert conn.info["host"] == "w1"
-        assert t.status()["hosts"] == {"w1": {"agents": 3, "members": 0, "slots": 0}}
-        t.agents.clear()
+        # Each agent's members are the consumers it joins with: 6 + 1 + 1.
+        assert t.status()["hosts"] == {"w1": {"agents": 3, "members": 8, "slots": 0}}
     finally:
+        t.agents.clear()  # the test doubles are no connections: nothing to stop
         t.shutdown()

@@ -14,8 +14,8 @@ up to 120 s) what they sent during it is retransmitted up to about half the cut 
 which no code of ours can shorten. On a kernel without ``net.ipv4.tcp_rto_max_ms`` (before Linux 6.15) the
 cut tests judge the whole within two locks, spark-share's part still within one.
 
-Needs root, socat, iptables and NetfilterQueue (.ci/run installs them); without them a test fails
-saying which."""
+Needs root, socat, iptables and NetfilterQueue (./dev test installs them when it runs as root); without
+them the tests skip, naming what is missing."""
 from __future__ import annotations
 
 import os

@@ -96,9 +96,12 @@ def test_a_group_that_admits_none_of_the_querys_members_fails_it_at_once_naming_
     finally:
         other.close()
     message = str(e.value)
-    print(f"failed after {took:.1f} s: {message[:600]}")
+    print(f"failed after {took:.1f} s: {message[:3000]}")
     assert took < 60
-    assert MAX_MEMBERS in message and "asked for 2" in message and "admitted none" in message
+    # The default numPartitions is one per partition (2), bounded by the group's limit where the broker
+    # says it (a real Kafka: 1); the embedded broker does not say.
+    asked = 1 if kafka.external else 2
+    assert MAX_MEMBERS in message and f"asked for {asked} (numPartitions)" in message and "admitted none" in message
     assert "Raise group.share.max.size on the brokers" in message
 
 

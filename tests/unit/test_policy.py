@@ -272,6 +272,37 @@ def test_the_batch_cap_goes_first_to_reads_whose_sessions_carry_records():
     assert p.grant(late, 1, carrying=900) == 0, "the cap is never exceeded, however much is carried"
 
 
+def test_the_cap_a_batch_leaves_unused_goes_to_a_read_that_polled_more():
+    """Issue 48: three slots of a 300 cap, members capped below the topic's four partitions (on Kafka each has
+    partitions of its own; after a host loss one holds two). A poll brings whole producer batches (112 for a
+    share of 100), and where only one member's partitions have records the others find nothing. What the
+    batch leaves unused, slots not claimed yet and reads that handed out less than granted, goes to the read
+    that polled more; carried, its extra were its session's whole next read (batches of 100, 12, 100, 12)."""
+    p = BatchPolicy(num_slots=3, idle_probe_ms=10_000, max_records_per_trigger=300)
+    b = BatchState(0, 3, 300)
+    for slot in (0, 1):
+        b.granted[slot] = p.grant(b, slot, carrying=0)
+        b.granted_total += b.granted[slot]
+    assert p.more(b, 0, 12) == 12 and b.granted[0] == 112, "slot 2 is not claimed yet: its share has room"
+    p.unused(b, 1, 0)  # slot 1's member found nothing
+    assert b.granted[1] == 0 and b.granted_total == 112
+    b.granted[2] = p.grant(b, 2, carrying=0)
+    b.granted_total += b.granted[2]
+    assert b.granted[2] == 100
+    assert p.more(b, 2, 500) == 88, "never past the cap"
+    assert p.more(b, 0, 1) == 0 and b.granted_total == 300 == sum(b.granted.values())
+    p.lock_safe_records = 120
+    c = BatchState(1, 3, 300)
+    c.granted, c.granted_total = {0: 100}, 100
+    assert p.more(c, 0, 50) == 20, "the lock-safe records per consumer still cap a read"
+    p.lock_safe_records = None
+    ahead = BatchState(2, 3, 300)
+    ahead.prefetched = True
+    ahead.granted, ahead.granted_total = {0: 100}, 100
+    assert p.more(ahead, 0, 12) == 0, "polled ahead: the even shares its polls started with"
+    assert p.more(BatchState(3, 3, None), 0, 12) == 0, "no batch cap: nothing to share out"
+
+
 def test_polls_take_their_share_of_the_lock_budget():
     p = BatchPolicy(num_slots=2, idle_probe_ms=10_000)
     p.partitions, p.record_locks = 8, 2000

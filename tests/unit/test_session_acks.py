@@ -139,6 +139,33 @@ def test_a_poll_bigger_than_its_batch_carries_the_excess_to_the_next_batch_witho
         s.close().result(5)
 
 
+def test_a_poll_past_its_grant_hands_out_what_the_batch_has_room_for(monkeypatch):
+    """Issue 48: a poll granted 100 brings 112 (whole producer batches). It asks how many more it may hand out;
+    what the batch's cap has room for goes out now, only the rest is carried (carried, the 12 were the
+    session's whole next read: it may not poll before they are acknowledged)."""
+    from test_records import Msg
+
+    made = []
+
+    def factory(conf):
+        made.append(PollingConsumer(conf, [[Msg("t", 0, i, b"k", b"v") for i in range(112)],
+                                           [Msg("t", 0, 112 + i, b"k", b"v") for i in range(112)]]))
+        return made[-1]
+    monkeypatch.setattr(confluent_kafka, "ShareConsumer", factory)
+    s = session_mod.ShareSession("more", {"group.id": "g"}, ["t"], False)
+    asked = []
+    try:
+        rb, holding = s.poll(1, 0, 100, 1000, more=lambda n: asked.append(n) or n).result(5)
+        assert rb.num_rows == 112 and s.carrying == 0 and asked == [12]
+        assert holding.acquired == {"t": {0: [[0, 111]]}}
+        s.acknowledge(None, 5).result(5)
+        rb, _ = s.poll(2, 0, 100, 1000, more=lambda n: 5).result(5)
+        assert rb.num_rows == 105 and s.carrying == 7, "the room the batch has, the rest carried"
+        assert made[0].poll_calls == 2
+    finally:
+        s.close().result(5)
+
+
 def test_carried_records_too_old_for_the_lock_are_released_not_handed_out(monkeypatch):
     """A poll acquired far more than its batch (the broker hands out whole record batches): what the next
     polls cannot hand out while younger than the carry limit is released at once, before its lock

@@ -1,0 +1,165 @@
+"""Declarative pipelines (``pyspark.pipelines``, Spark >= 4.1): the example pipeline jobs/orders_pipeline, run
+with ``spark-pipelines run`` as a user runs it, on the test's broker.
+
+Each update must drain what is queued when it starts and end with exit code 0; every record lands in the
+streaming table ``orders``, parsed or marked not valid; what the run wrote is acknowledged (the share group
+hands nothing out afterwards); a second update reads only what arrived since. The failures: an update killed in the
+middle and run again, a broker that cannot be reached, a flow that fails and is retried by the pipeline.
+"""
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from harness.pipelines import OrdersPipeline
+from harness.support import (
+    agent_processes,
+    check_no_loss,
+    drain_share_group,
+    runner_processes,
+    uid,
+    wait_until,
+)
+from spark_share import spark_versions
+
+pytestmark = [
+    pytest.mark.slow,
+    # Spark 4.1 has pipelines but runs a Python source's flow as one batch and ends it with no signal
+    # spark-share can see: each update's records are released and read again (docs/deploy.md).
+    pytest.mark.skipif(not spark_versions.NATIVE_AVAILABLE_NOW,
+                       reason="kafka-share in a declarative pipeline needs Spark >= 4.2 (Trigger.AvailableNow for "
+                              "Python sources); pipelines came with 4.1"),
+]
+
+
+def _orders(ids, bad_every: int = 0) -> list[dict]:
+    """Orders with these ids; every ``bad_every``-th has no amount (the quarantine's)."""
+    return [{"id": i, "order_id": i, "customer": f"c{i % 7}", **({} if bad_every and i % bad_every == 0
+                                                               else {"amount": 1.0 + i % 90})}
+            for i in ids]
+
+
+def _keys(table) -> list[int]:
+    return [int(k) for k in table.column("key").to_pylist()] if table.num_rows else []  # str or bytes
+
+
+def _set_aside(pipeline) -> list[int]:
+    """The records the source wrote to the dead-letter directory (maxDeliveryCount reached) and REJECTed."""
+    return _keys(pipeline.dead_letters())
+
+
+def _valid(table, valid: bool) -> set[int]:
+    rows = table.to_pylist() if table.num_rows else []
+    return {int(r["key"]) for r in rows if r["valid"] is valid}
+
+
+def _nothing_left(kafka, group: str, topic: str) -> None:
+    """What the update wrote was acknowledged: the group hands out none of it again (a record released
+    or left to expire would come back within the wait)."""
+    left = drain_share_group(kafka, group, [topic], timeout=8.0)
+    assert not left, f"{len(left)} records still queued after the update, e.g. {left[:3]}"
+
+
+@pytest.fixture
+def pipeline(kafka, tmp_path):
+    topic = kafka.create_topic(uid("orders"), 4)
+    p = OrdersPipeline(str(tmp_path), kafka.bootstrap_servers, kafka.group(uid("pipeline")), topic)
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+def test_each_update_drains_the_queue_and_the_next_reads_only_what_arrived_since(kafka, produce, pipeline):
+    topic, group = pipeline.topic, pipeline.group
+    first = produce(kafka, topic, _orders(range(1, 601), bad_every=15))
+    update = pipeline.run()
+    assert update.completed(), f"update 1 failed (exit {update.returncode}):\n{update.output[-4000:]}"
+    orders = pipeline.table("orders")
+    assert _set_aside(pipeline) == [], "an update without faults set records aside"
+    report = check_no_loss(first, _keys(orders))
+    if kafka.external:
+        assert report.duplicates == 0, report
+    good = {i for i in first if i % 15}
+    assert _valid(orders, True) == good and _valid(orders, False) == set(first) - good
+    _nothing_left(kafka, group, topic)
+    print(f"update 1: produced {len(first)}, read {orders.num_rows}, duplicates {report.duplicates}, "
+          f"{update.took:.0f} s")
+
+    second = produce(kafka, topic, _orders(range(601, 901)))
+    update = pipeline.run()
+    assert update.completed(), f"update 2 failed (exit {update.returncode}):\n{update.output[-4000:]}"
+    orders = pipeline.table("orders")
+    report2 = check_no_loss(first + second, _keys(orders))
+    assert report2.duplicates == report.duplicates, f"update 2 read records of update 1 again: {report2}"
+    assert _valid(orders, True) == good | set(second)
+    _nothing_left(kafka, group, topic)
+    print(f"update 2: produced {len(second)}, read {orders.num_rows - report.delivered}, {update.took:.0f} s")
+
+
+def test_an_update_killed_mid_flow_loses_nothing_when_run_again(kafka, produce, pipeline):
+    topic = pipeline.topic
+    ids = produce(kafka, topic, _orders(range(1, 4001)))
+    pipeline.start()
+    # Killed once the source's read tasks run: records are acquired, none acknowledged yet.
+    wait_until(lambda: " joined (pid " in pipeline.output() or pipeline.proc.poll() is not None, timeout=240,
+               interval=0.2, message="the source's read tasks did not start")
+    assert pipeline.proc.poll() is None, f"the update ended before it was killed:\n{pipeline.output()[-3000:]}"
+    pipeline.stop()
+    wait_until(lambda: not agent_processes() and not runner_processes(), timeout=60,
+               message="processes of the killed update were left running")
+    killed_rows = pipeline.table("orders").num_rows
+
+    update = pipeline.run()
+    assert update.completed(), f"the update after the kill failed (exit {update.returncode}):\n{update.output[-4000:]}"
+    left = drain_share_group(kafka, pipeline.group, [topic], timeout=8.0)
+    assert not left, (f"the update after the kill ended with {len(left)} records still queued (partitions "
+                      f"{sorted({r[1] for r in left})}):\n" + "\n".join(
+                          line for line in update.output.splitlines() if "spark_share" in line))
+    # On the embedded broker each consumer that joins ends every share session: the killed update's four
+    # joining consumers can bring a partition's records to maxDeliveryCount (4), and they are set aside.
+    report = check_no_loss(ids, _keys(pipeline.table("orders")), rejected=_set_aside(pipeline),
+                           duplicates_reason="a batch the killed update committed but had not acknowledged")
+    if kafka.external:  # the embedded broker also redelivers on any client's disconnect (its quirk)
+        assert report.duplicates <= killed_rows and not _set_aside(pipeline), report
+    print(f"killed update wrote {killed_rows}; after the rerun: {report}")
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.embedded_only("the unreachable address is a closed local port; the same error on any broker")
+def test_an_unreachable_broker_fails_the_update_with_an_error_that_names_it(tmp_path):
+    address = f"127.0.0.1:{_closed_port()}"
+    p = OrdersPipeline(str(tmp_path), address, "g-unreachable", "orders")
+    try:
+        update = p.run(timeout=240)
+    finally:
+        p.stop()
+    assert update.returncode != 0, "an update against a broker nobody listens on succeeded"
+    assert f"kafka.bootstrap.servers='{address}'" in update.output, update.output[-4000:]
+    assert "could not reach the Kafka cluster" in update.output, update.output[-4000:]
+
+
+def test_a_flow_that_fails_mid_batch_is_retried_by_the_pipeline_and_loses_nothing(kafka, produce, pipeline):
+    topic = pipeline.topic
+    ids = produce(kafka, topic, _orders(range(1, 3001)))
+    pipeline.start()
+    wait_until(lambda: " joined (pid " in pipeline.output() or pipeline.proc.poll() is not None, timeout=240,
+               interval=0.2, message="the source's read tasks did not start")
+    # The flow's query fails: its source's driver side (the tracker's process) dies mid-batch.
+    runners = runner_processes()
+    assert runners, "no source runner to kill"
+    for r in runners:
+        r.kill()
+    update = pipeline.wait()
+    assert update.completed(), f"the pipeline did not retry the failed flow (exit {update.returncode}):\n" \
+                               f"{update.output[-4000:]}"
+    report = check_no_loss(ids, _keys(pipeline.table("orders")), rejected=_set_aside(pipeline),
+                           duplicates_reason="records the failed flow had acquired, delivered again")
+    _nothing_left(kafka, pipeline.group, topic)
+    print(f"after the flow's retry: {report}")
