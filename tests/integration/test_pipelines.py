@@ -98,14 +98,18 @@ def test_each_update_drains_the_queue_and_the_next_reads_only_what_arrived_since
     print(f"update 2: produced {len(second)}, read {orders.num_rows - report.delivered}, {update.took:.0f} s")
 
 
+def _start_until_reading(pipeline) -> None:
+    """Start an update and return once the source's read tasks run (an agent joined its tracker)."""
+    pipeline.start()
+    wait_until(lambda: " joined (pid " in pipeline.output() or pipeline.proc.poll() is not None, timeout=240,
+               interval=0.2, message="the source's read tasks did not start")
+    assert pipeline.proc.poll() is None, f"the update ended before its reads began:\n{pipeline.output()[-3000:]}"
+
+
 def test_an_update_killed_mid_flow_loses_nothing_when_run_again(kafka, produce, pipeline):
     topic = pipeline.topic
     ids = produce(kafka, topic, _orders(range(1, 4001)))
-    pipeline.start()
-    # Killed once the source's read tasks run: records are acquired, none acknowledged yet.
-    wait_until(lambda: " joined (pid " in pipeline.output() or pipeline.proc.poll() is not None, timeout=240,
-               interval=0.2, message="the source's read tasks did not start")
-    assert pipeline.proc.poll() is None, f"the update ended before it was killed:\n{pipeline.output()[-3000:]}"
+    _start_until_reading(pipeline)  # killed then: records are acquired, none acknowledged yet
     pipeline.stop()
     wait_until(lambda: not agent_processes() and not runner_processes(), timeout=60,
                message="processes of the killed update were left running")
@@ -148,9 +152,7 @@ def test_an_unreachable_broker_fails_the_update_with_an_error_that_names_it(tmp_
 def test_a_flow_that_fails_mid_batch_is_retried_by_the_pipeline_and_loses_nothing(kafka, produce, pipeline):
     topic = pipeline.topic
     ids = produce(kafka, topic, _orders(range(1, 3001)))
-    pipeline.start()
-    wait_until(lambda: " joined (pid " in pipeline.output() or pipeline.proc.poll() is not None, timeout=240,
-               interval=0.2, message="the source's read tasks did not start")
+    _start_until_reading(pipeline)
     # The flow's query fails: its source's driver side (the tracker's process) dies mid-batch.
     runners = runner_processes()
     assert runners, "no source runner to kill"
