@@ -65,7 +65,13 @@ def register(spark) -> None:
     spark_versions.require()
     from .user.listener import install_listener
 
-    spark.dataSource.register(_source_for(spark))
+    try:
+        spark.dataSource.register(_source_for(spark))
+    except Exception as e:
+        # The same class, registered already from pyspark_kafka_share by PySpark's lookup of static sources
+        # (Spark >= 4.2), where a Spark refuses to replace one: the static registration serves.
+        if "DATA_SOURCE_ALREADY_EXISTS" not in str(e):
+            raise
     install_listener(spark)
 
 
