@@ -46,7 +46,8 @@ class Update:
 class OrdersPipeline:
     """The example pipeline in ``base`` (a test's directory), reading ``topic`` as share group ``group``."""
 
-    def __init__(self, base: str, bootstrap: str, group: str, topic: str, max_delivery_count: int = 4):
+    def __init__(self, base: str, bootstrap: str, group: str, topic: str, max_delivery_count: int = 4,
+                 configuration: dict[str, str] | None = None):
         self.base, self.group, self.topic = base, group, topic
         self.project = os.path.join(base, "orders_pipeline")
         shutil.copytree(EXAMPLE, self.project, ignore=shutil.ignore_patterns("__pycache__"))
@@ -58,6 +59,7 @@ class OrdersPipeline:
             "orders.kafka.bootstrap.servers": bootstrap, "orders.kafka.group.id": group, "orders.subscribe": topic,
             "orders.maxDeliveryCount": str(max_delivery_count),
             "orders.deadLetterPath": os.path.join(base, "dead-letters"),
+            **(configuration or {}),
         })
         with open(self.spec, "w") as f:
             yaml.safe_dump(spec, f)
