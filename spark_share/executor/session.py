@@ -287,6 +287,7 @@ class ShareSession:
         deadline = started + timeout_ms / 1000.0
         joined_by = self.created_at + self._join_wait_s
         base: dict[str, int] = {}
+        assigned_at_base: set = set()
         msgs: list = []
         rejoining = False
         while True:
@@ -313,7 +314,7 @@ class ShareSession:
                 return msgs, None
             if self._failures.failure:  # the broker refused this consumer: say so, not "no records"
                 raise SourceError(self._failures.failure)
-            answered = self._fetch_stats.drained(started, base)
+            answered = self._fetch_stats.drained(started, base, assigned_at_base)
             if answered is not None:
                 return msgs, answered
 

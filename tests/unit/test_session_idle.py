@@ -112,3 +112,29 @@ def test_a_joining_consumer_stops_waiting_once_another_consumer_of_the_agent_hol
         assert rb.num_rows == 0 and held.timed_out and time.monotonic() - t0 < 5
     finally:
         s.close().result(timeout=10)
+
+
+def test_a_partition_assigned_during_a_poll_is_not_answered_by_fetches_sent_for_the_old_assignment():
+    """A member left mid-drain and its partitions came to this consumer while a poll waited: the fetches
+    counted since the poll began may have gone out for the old assignment only, so the empty answer says
+    nothing of the new partitions (a drain took it as "nothing there" and ended with them unread)."""
+    import json
+    import time
+
+    from spark_share.executor.session_stats import FetchStats
+
+    def stats(sent: int, partitions: list[int]) -> str:
+        return json.dumps({"ts": int(time.monotonic() * 1e6), "cgrp": {"join_state": "steady", "assignment_size": 1},
+                           "brokers": {"b1": {"nodeid": 1, "req": {"ShareFetch": sent}}},
+                           "topics": {"t": {"partitions": {str(p): {"leader": 1, "desired": True}
+                                                           for p in partitions}}}})
+
+    f = FetchStats()
+    started = time.monotonic() - 1.0
+    base: dict[str, int] = {}
+    assigned: set = set()
+    f.on_stats(stats(10, [2, 3]))
+    assert f.drained(started, base, assigned) is None  # the counts the poll began with
+    f.on_stats(stats(12, [0, 1, 2, 3]))  # partitions 0 and 1 assigned meanwhile
+    assert f.drained(started, base, assigned) == frozenset({("t", 2), ("t", 3)})
+    assert f.drained(started, dict(base)) == frozenset({("t", p) for p in range(4)}), "without it: the old answer"
