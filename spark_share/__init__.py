@@ -65,13 +65,7 @@ def register(spark) -> None:
     spark_versions.require()
     from .user.listener import install_listener
 
-    try:
-        spark.dataSource.register(_source_for(spark))
-    except Exception as e:
-        # The same class, registered already from pyspark_kafka_share by PySpark's lookup of static sources
-        # (Spark >= 4.2), where a Spark refuses to replace one: the static registration serves.
-        if "DATA_SOURCE_ALREADY_EXISTS" not in str(e):
-            raise
+    spark.dataSource.register(_source_for(spark))  # replaces pyspark_kafka_share's static one (Spark >= 4.2)
     install_listener(spark)
 
 
