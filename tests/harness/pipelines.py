@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 
 import pyarrow as pa
+import pyarrow.json as pj
 import pyarrow.parquet as pq
 import yaml
 
@@ -59,6 +60,7 @@ class OrdersPipeline:
             "orders.kafka.bootstrap.servers": bootstrap, "orders.kafka.group.id": group, "orders.subscribe": topic,
             "orders.maxDeliveryCount": str(max_delivery_count),
             "orders.deadLetterPath": os.path.join(base, "dead-letters"),
+            "orders.invalidPath": os.path.join(base, "invalid-orders"),
             **(configuration or {}),
         })
         with open(self.spec, "w") as f:
@@ -123,6 +125,10 @@ class OrdersPipeline:
         """What Spark reads of the pipeline's table ``name``: the files its ``_spark_metadata`` log adds."""
         return read_file_sink(os.path.join(self.base, "spark-warehouse", name))  # the run's cwd is the base
 
+    def invalid_orders(self) -> pa.Table:
+        """What the sink ``invalid_orders`` (transformations/invalid_orders.py) holds: JSON files."""
+        return read_file_sink(os.path.join(self.base, "invalid-orders"))
+
     def dead_letters(self) -> pa.Table:
         """The records the source set aside in the pipeline's dead-letter directory (Parquet files)."""
         files = [os.path.join(d, f) for d, _s, fs in os.walk(os.path.join(self.base, "dead-letters"))
@@ -149,5 +155,7 @@ def read_file_sink(path: str) -> pa.Table:
                 files.append(entry["path"])
             else:
                 files = [p for p in files if p != entry["path"]]
-    tables = [pq.read_table(p[len("file:"):] if p.startswith("file:") else p) for p in files]
+    paths = [p[len("file:"):] if p.startswith("file:") else p for p in files]
+    paths = [p for p in paths if os.path.getsize(p)]  # an empty JSON part holds no rows
+    tables = [pj.read_json(p) if ".json" in p else pq.read_table(p) for p in paths]
     return pa.concat_tables(tables, promote_options="default") if tables else pa.table({})

@@ -3,8 +3,10 @@ with ``spark-pipelines run`` as a user runs it, on the test's broker.
 
 Each update must drain what is queued when it starts and end with exit code 0; every record lands in the
 streaming table ``orders``, parsed or marked not valid; what the run wrote is acknowledged (the share group
-hands nothing out afterwards); a second update reads only what arrived since. The failures: an update killed in the
-middle and run again, a broker that cannot be reached, a flow that fails and is retried by the pipeline.
+hands nothing out afterwards); a second update reads only what arrived since; the sink ``invalid_orders``
+gets each record that is not an order once; a full refresh leaves the table with what was queued since.
+The failures: an update killed in the middle and run again, a broker that cannot be reached, a flow that
+fails and is retried by the pipeline.
 """
 from __future__ import annotations
 
@@ -71,6 +73,14 @@ def pipeline(kafka, tmp_path):
         p.stop()
 
 
+def _invalid_copied(pipeline, invalid: set[int]) -> set[int]:
+    """The keys the sink ``invalid_orders`` holds: only records that are not orders, none twice."""
+    keys = _keys(pipeline.invalid_orders())
+    assert len(keys) == len(set(keys)), f"the sink holds {len(keys) - len(set(keys))} records twice"
+    assert set(keys) <= invalid, f"the sink holds orders: {sorted(set(keys) - invalid)[:5]}"
+    return set(keys)
+
+
 def test_each_update_drains_the_queue_and_the_next_reads_only_what_arrived_since(kafka, produce, pipeline):
     topic, group = pipeline.topic, pipeline.group
     first = produce(kafka, topic, _orders(range(1, 601), bad_every=15))
@@ -81,21 +91,43 @@ def test_each_update_drains_the_queue_and_the_next_reads_only_what_arrived_since
     report = check_no_loss(first, _keys(orders))
     if kafka.external:
         assert report.duplicates == 0, report
-    good = {i for i in first if i % 15}
-    assert _valid(orders, True) == good and _valid(orders, False) == set(first) - good
+    invalid = {i for i in first if i % 15 == 0}
+    assert _valid(orders, True) == set(first) - invalid and _valid(orders, False) == invalid
     _nothing_left(kafka, group, topic)
+    copied = _invalid_copied(pipeline, invalid)
     print(f"update 1: produced {len(first)}, read {orders.num_rows}, duplicates {report.duplicates}, "
-          f"{update.took:.0f} s")
+          f"{len(copied)} of {len(invalid)} not valid in the sink, {update.took:.0f} s")
 
-    second = produce(kafka, topic, _orders(range(601, 901)))
+    second = produce(kafka, topic, _orders(range(601, 901), bad_every=15))
     update = pipeline.run()
     assert update.completed(), f"update 2 failed (exit {update.returncode}):\n{update.output[-4000:]}"
     orders = pipeline.table("orders")
     report2 = check_no_loss(first + second, _keys(orders))
     assert report2.duplicates == report.duplicates, f"update 2 read records of update 1 again: {report2}"
-    assert _valid(orders, True) == good | set(second)
+    invalid |= {i for i in second if i % 15 == 0}
+    assert _valid(orders, True) == set(first + second) - invalid and _valid(orders, False) == invalid
     _nothing_left(kafka, group, topic)
-    print(f"update 2: produced {len(second)}, read {orders.num_rows - report.delivered}, {update.took:.0f} s")
+    copied = _invalid_copied(pipeline, invalid)
+    print(f"update 2: produced {len(second)}, read {orders.num_rows - report.delivered}, "
+          f"{len(copied)} of {len(invalid)} not valid in the sink, {update.took:.0f} s")
+
+    # Nothing new: the table stays as it is, and the sink catches up with it (its flow may run alongside
+    # the table's and see an update's rows one update late).
+    update = pipeline.run()
+    assert update.completed(), f"update 3 failed (exit {update.returncode}):\n{update.output[-4000:]}"
+    assert pipeline.table("orders").num_rows == orders.num_rows, "an update with nothing queued wrote rows"
+    assert _invalid_copied(pipeline, invalid) == invalid, "the sink lacks records that are not orders"
+    print(f"update 3: nothing produced, the sink holds all {len(invalid)}, {update.took:.0f} s")
+
+    # A full refresh empties the table and resets its flow's checkpoint; the share group keeps no
+    # history to read again: the table then holds exactly what was queued.
+    third = produce(kafka, topic, _orders(range(901, 1001)))
+    update = pipeline.run("--full-refresh", "orders")
+    assert update.completed(), f"the full refresh failed (exit {update.returncode}):\n{update.output[-4000:]}"
+    refreshed = check_no_loss(third, _keys(pipeline.table("orders")))
+    assert refreshed.duplicates == 0 and refreshed.delivered == len(third), refreshed
+    _nothing_left(kafka, group, topic)
+    print(f"full refresh: produced {len(third)}, the table holds {refreshed.delivered}, {update.took:.0f} s")
 
 
 def _start_until_reading(pipeline) -> None:

@@ -1,7 +1,7 @@
 """The orders pipeline: one streaming table, ``orders``, that drains a Kafka share group. Each record
 becomes one row: the order's fields where its value parses, ``valid`` false (and the value kept as
 text) where it does not, so that a bad record is kept, not dropped, and can be queried apart
-(``WHERE NOT valid``).
+(``WHERE NOT valid``); transformations/invalid_orders.py copies those to a sink.
 
 One flow reads kafka-share: every flow that reads the format is a query of its own, a member of the
 share group, and would take records from the others. The source is registered in every session of a
