@@ -204,13 +204,14 @@ def share_stream(spark, kafka, topic, group=None, **options):
     return r
 
 
-def share_run(spark, kafka, topic, slots, n, tmp, locks=None, group=None, sink=None):
+def share_run(spark, kafka, topic, slots, n, tmp, locks=None, group=None, sink=None, **options):
     """An AvailableNow query over the backlog ``topic`` (``n`` records) into the noop sink (or
-    ``sink``, a foreachBatch function), ``slots`` read tasks (None: the source's default): its
-    times, CPU by process, Spark's per-batch phases and the tracker's view of each batch."""
+    ``sink``, a foreachBatch function), ``slots`` read tasks (None: the source's default), other source
+    ``options`` as given: its times, CPU by process, Spark's per-batch phases and the tracker's view of
+    each batch."""
     import spark_share
 
-    r = share_stream(spark, kafka, topic, group=group, numPartitions=slots)
+    r = share_stream(spark, kafka, topic, group=group, numPartitions=slots, **options)
     if locks and isinstance(kafka, EmbeddedKafka):
         r = r.option("maxRecordLocks", str(locks))
     df = r.load()

@@ -95,6 +95,16 @@ def _port_range(name: str, raw: str) -> tuple[int, int]:
     return first, last
 
 
+def choice(*values: str) -> Parser:
+    def parse(name: str, raw: str) -> str:
+        v = raw.strip().lower()
+        if v not in values:
+            raise OptionError(f"option '{name}' must be one of {', '.join(values)}, got {raw!r}")
+        return v
+
+    return Parser(" or ".join(f"`{v}`" for v in values), parse)
+
+
 boolean = Parser("`true` or `false`", _boolean)
 plain_text = Parser("text", _text)
 topic_list = Parser("topic names, comma-separated", _topics)
@@ -160,6 +170,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("trackerPort", "tracker_ports", "0", port_range,
            "the port (`40100`) or port range (`40100-40199`) where the driver side listens for the "
            "executors' agents, for firewalled clusters; `0`: any free port"),
+    Option("readMode", "read_mode", "executors", choice("executors", "driver"),
+           "where the share consumers run. `executors`: an agent process of spark-share on each executor host "
+           "acquires the records its read tasks return (needs executors that may start a process, open a Unix "
+           "socket under their local dirs and reach `trackerPort` on the driver). `driver`: the consumers run "
+           "beside Spark's driver, a batch's records are acquired as Spark plans it and travel to the read "
+           "tasks inside their task payloads: executors run nothing of spark-share's but Arrow decoding "
+           "(serverless, standard access mode, Kubernetes, dynamic allocation). See docs/performance.md"),
 )
 _BY_NAME = {o.name.lower(): o for o in OPTIONS}
 
@@ -244,6 +261,7 @@ class ShareSourceOptions:
     max_delivery_count: int | None
     max_record_locks: int | None  # the broker's in-flight cap per partition, if the user gave it
     tracker_ports: tuple[int, int]  # first and last port the tracker may listen on; (0, 0): any
+    read_mode: str  # "executors" (an agent per executor host) or "driver" (the consumers beside the tracker)
     # kafka.* options other than bootstrap servers and group id, prefix removed.
     kafka: dict[str, str]
 

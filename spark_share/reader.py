@@ -2,7 +2,8 @@
 
 Owns: the driver-side calls (latestOffset acknowledges
 the batch Spark has just committed, then decides whether a new one is worth running), the input
-partitions, and ``read()``, which hands the (batch, slot) to the executor side (``executor.read_task``).
+partitions, and ``read()``, which hands the (batch, slot) to the executor side (``executor.read_task``),
+or under ``readMode=driver`` decodes the rows the partition carries (``driver_reads``).
 
 Must never: hold a Kafka consumer in ``read()`` (Python workers come and go), create sockets,
 threads or clients before a driver-only method runs (the reader is pickled to executors), or
@@ -22,7 +23,7 @@ from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
 
 from . import runtime
 from .errors import SourceError
-from .executor import read_task
+from .executor import read_task, records
 from .offsets import INITIAL, batch_of, offset_of
 from .options import ShareSourceOptions, scrub
 from .spark_versions import ReadAllAvailable, ReadMaxRows, SupportsTriggerAvailableNow, max_rows
@@ -66,6 +67,7 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def __init__(self, opts: ShareSourceOptions):
         self.opts = opts
         self._tracker = None
+        self._driver_reads = None  # readMode=driver: the consumers in this process
         self._stopped = False
         # The end of the last batch Spark planned (partitions()): where the next batch starts when
         # Spark does not say (latestOffset() of Spark < 4.2). A restart first calls partitions(end, end)
@@ -85,7 +87,11 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 # of its own, and the process exits when it is done.
                 _StopOnSigterm(self)
             self._tracker = Tracker(self.opts)
-            if one_host():
+            if self.opts.read_mode == "driver":
+                from .driver_reads import DriverReads
+
+                self._driver_reads = DriverReads(self._tracker, self.opts)
+            elif one_host():
                 # Every read task runs on this host: start its agent now, so that its consumers join
                 # the group while Spark plans the first batch, not after the first read task arrives.
                 threading.Thread(target=_start_agent_early, args=(self._tracker,), name="spark-share-agent-start",
@@ -130,6 +136,8 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         b = t.batch_to_read(last)
         if b is None:  # replayed from an earlier run, or stopping: it reads nothing
             return []
+        if self._driver_reads is not None:
+            return self._driver_reads.partitions(last, t.slot_budgets(b))
         host, port = t.address
         return [SharePartition(host, port, t.tracker_id, t.secret, last, slot, budget, self.opts.poll_timeout_ms)
                 for slot, budget in enumerate(t.slot_budgets(b))]
@@ -143,8 +151,13 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._stopped = True
         if self._tracker is not None:
             self._tracker.shutdown()  # a second caller waits for the first
+        if self._driver_reads is not None:
+            self._driver_reads.close()
 
     def read(self, partition: SharePartition) -> Iterator:  # type: ignore[override]
+        if hasattr(partition, "ipc"):  # readMode=driver: the rows came in the task
+            yield from records.from_ipc(partition.ipc)
+            return
         yield from read_task.read(partition, self.opts)  # executor side: this host's agent serves it
 
 

@@ -43,6 +43,7 @@ class Acknowledger:
         self._agents = agents  # the tracker's live agents by id, read under ``lock``
         self._finished = finished  # called under ``lock`` once the broker answered (or did not)
         self._after = after  # then, without the lock, on the same thread: housekeeping between batches
+        self.query_id: Callable[[], str | None] = lambda: None  # the query the tracker serves, once it knows
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spark-share-acks")
 
     def acknowledge(self, b: BatchState, default: int, queued: Callable[[], None]) -> str | None:
@@ -168,7 +169,7 @@ class Acknowledger:
             chunks = rejects.chunks()
             for chunk in chunks:
                 call_async(conn, Stage(b.batch, "deadletter"), chunk)
-            futs[agent_id] = call_async(conn, DeadLetter(b.batch, len(chunks)))
+            futs[agent_id] = call_async(conn, DeadLetter(b.batch, len(chunks), self.query_id()))
         written: set[str] = {a for a, rejects in held.items() if not rejects}
         for agent_id, f in futs.items():
             try:

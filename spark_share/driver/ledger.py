@@ -160,14 +160,14 @@ class BatchLedger:
                             "target instead of being processed again", m.batch, len(m.poison), limit)
             self.total_acquired += m.rows
 
-    def record_verdicts(self, m: Verdicts, blob) -> dict:
+    def record_verdicts(self, m: Verdicts, blob, ours: bool = True) -> dict:
         """Record reject/release verdicts for a running batch: the chunks of one call are staged until its
         last, then applied all or nothing (every row must be one the batch acquired, none may already have
         the other kind). O(rows): numpy arrays, searched per partition, never a Python object per row."""
         kind = {"reject": REJECT, "release": RELEASE}[m.kind]
         with self.lock:
             if m.part == 0:
-                b = self._verdict_batch(m)
+                b = self._verdict_batch(m, blob, ours)
                 if b is None:
                     return {"match": False}
                 self._staged[m.token] = (b.batch, [])
@@ -205,19 +205,44 @@ class BatchLedger:
                                    + ", ".join(f"{t}-{p}@{o}" for t, p, o in e.rows)) from None
         return {"ok": True, "match": True, "records": len(given)}
 
-    def _verdict_batch(self, m: Verdicts) -> BatchState | None:
+    def _verdict_batch(self, m: Verdicts, first_chunk, ours: bool) -> BatchState | None:
         """The batch verdicts name: Spark's batch id (classic), or under Spark Connect the latest batch read
-        in that session (None: not ours). Call with ``lock`` held."""
+        in that session (None: not ours). A batch whose Spark id no read task reported (readMode=driver:
+        its reads never reach the tracker) is the running one, if the verdicts are ``ours`` (sent to this
+        query's tracker) or its rows hold the first chunk's; it takes the verdicts' Spark id from then on.
+        Call with ``lock`` held."""
         if m.connect_session:
-            return max((b for b in self.batches.values()
-                        if m.connect_session in b.connect_sessions and b.state == PLANNED),
-                       key=lambda b: b.batch, default=None)
+            b = max((b for b in self.batches.values()
+                     if m.connect_session in b.connect_sessions and b.state == PLANNED),
+                    key=lambda b: b.batch, default=None)
+            if b is None:  # no read task named the session: the running batch, if it holds the rows
+                b = self._unnamed_running(first_chunk, check_rows=True)
+                if b is not None:
+                    b.connect_sessions.add(m.connect_session)
+            return b
         b = next((b for b in self.batches.values() if b.spark_batch == m.spark_batch), None)
+        if b is None:
+            b = self._unnamed_running(first_chunk, check_rows=not ours)
+            if b is not None:
+                b.spark_batch = m.spark_batch
+        if b is None and not ours:  # asked as one of this host's trackers: not this query's
+            return None
         if b is None or b.state != PLANNED:
             raise VerdictError(f"batch {m.spark_batch} has no kafka-share records being processed in this "
                                f"query (state: {b.state if b else 'nothing read'}); verdicts apply to rows "
                                "of the batch being processed in foreachBatch")
         return b
+
+    def _unnamed_running(self, first_chunk, check_rows: bool) -> BatchState | None:
+        """The running batch no read task named to Spark's batch or a Connect session (readMode=driver), if
+        any (and, ``check_rows``, if it acquired every row of ``first_chunk``). Call with ``lock`` held."""
+        running = max((b for b in self.batches.values()
+                       if b.state == PLANNED and b.spark_batch is None and not b.connect_sessions),
+                      key=lambda b: b.batch, default=None)
+        if running is None or not check_rows:
+            return running
+        foreign, _ = VerdictSet.from_chunks([first_chunk]).outside(list(running.runs_by_agent().values()))
+        return None if foreign else running
 
     def source_batch_of(self, spark_batch: int) -> int | None:
         """Our batch that Spark ran as ``spark_batch`` or, if that one read nothing of ours, the
@@ -251,9 +276,13 @@ class BatchLedger:
                 b.state = ACKING
         return pending
 
-    def committed(self, b: BatchState, commit_log) -> bool:
-        """Did Spark commit ``b`` (it said so, or its commit log shows it)?"""
-        return b.batch <= self.committed_upto or bool(commit_log and commit_log.has(b.spark_batch))
+    def committed(self, b: BatchState, commit_log, run: str | None = None) -> bool:
+        """Did Spark commit ``b`` (it said so, or its commit log shows it: under Spark's id of it, or, when no
+        read task reported that id, the one whose offsets carry ``run``'s offset of ``b``)?"""
+        if b.batch <= self.committed_upto or not commit_log:
+            return b.batch <= self.committed_upto
+        spark_batch = b.spark_batch if b.spark_batch is not None or run is None else commit_log.spark_batch_of(run, b.batch)
+        return commit_log.has(spark_batch)
 
     def notify(self) -> None:
         with self.lock:

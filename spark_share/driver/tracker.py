@@ -83,14 +83,15 @@ SHUTDOWN_WAIT_S = 10.0  # a stop waits this long at most for acknowledgements un
 BACKLOG_LOG_S = 60.0  # the backlog estimate's INFO line, at most this often
 
 
-def _bind_host() -> str:
-    """The narrowest interface executors can reach: loopback in local mode, else the address they
-    already reach the driver on. ``register()`` passes the master and driver host to this process
-    through the SparkContext's environment; SPARK_SHARE_BIND_HOST overrides."""
+def _bind_host(read_mode: str) -> str:
+    """The narrowest interface executors can reach: loopback in local mode and with readMode=driver (only
+    processes of the driver host connect), else the address they already reach the driver on.
+    ``register()`` passes the master and driver host to this process through the SparkContext's
+    environment; SPARK_SHARE_BIND_HOST overrides."""
     explicit = os.environ.get("SPARK_SHARE_BIND_HOST")
     if explicit:
         return explicit
-    if not one_host():
+    if read_mode != "driver" and not one_host():
         return (os.environ.get("SPARK_SHARE_DRIVER_HOST") or os.environ.get("SPARK_LOCAL_IP")
                 or socket.gethostbyname(socket.gethostname()))
     return "127.0.0.1"
@@ -142,7 +143,7 @@ class Tracker:
         try:
             check_target(opts, self.metadata.client)
             # No agent knows the address before this constructor returns: nothing is served early.
-            self.server = self._listen(_bind_host())
+            self.server = self._listen(_bind_host(opts.read_mode))
         except BaseException:
             self.metadata.close()
             runtime.stop_logging_to(self._log_file)
@@ -170,6 +171,7 @@ class Tracker:
         self.members = self.roster.members = MemberBook(self.policy.num_slots)
         self.acks = Acknowledger(opts, self.policy, self.ledger.lock, self.agents, self.ledger.finished,
                                  after=self._after_batch)
+        self.acks.query_id = lambda: self.query_id
         self._stopped = threading.Event()
 
     def _size_batches(self) -> None:
@@ -312,7 +314,12 @@ class Tracker:
         return {"ok": True}
 
     def _on_verdicts(self, conn: wire.RpcConnection, m: Verdicts, blob) -> dict:
-        return self.ledger.record_verdicts(m, blob)
+        if m.query_id is not None and self.query_id not in (None, m.query_id):
+            return {"match": False}  # the user's process asks every tracker of its host: another query's
+        rep = self.ledger.record_verdicts(m, blob, ours=m.query_id is None or m.query_id == self.query_id)
+        if rep.get("match") and m.query_id is not None and m.part == 0:
+            self._serve_query(m.query_id)  # readMode=driver: no read task told it which query it serves
+        return rep
 
     def _on_status(self, conn: wire.RpcConnection, m: Status) -> dict:
         return self.status()
@@ -351,6 +358,10 @@ class Tracker:
             self._learn_commit_log()
 
     def _learn_commit_log(self) -> None:
+        if self.commit_log is None and self.query_id is None and self.opts.read_mode == "driver":
+            found = CommitLog.of_run(self.tracker_id)  # no read task told this run its query: its offsets do
+            if found is not None:
+                self._serve_query(found[0])
         if self.commit_log is None and self.query_id is not None:
             self.commit_log = CommitLog.of_query(self.query_id)
             if self.commit_log is not None and not self.refusal:
@@ -432,6 +443,8 @@ class Tracker:
         return b
 
     def batch_to_read(self, batch: int) -> BatchState | None:
+        if self.query_id is None and self.opts.read_mode == "driver":
+            self._learn_commit_log()  # Spark wrote this batch's offsets: they name the query this run serves
         return self.ledger.batch_to_read(batch)
 
     def slot_budgets(self, b: BatchState) -> list[int | None]:
@@ -559,7 +572,7 @@ class Tracker:
             self._learn_commit_log()
             failed_before = self.ledger.totals.failed
             for b in pending:
-                if self.ledger.committed(b, self.commit_log):
+                if self.ledger.committed(b, self.commit_log, self.tracker_id):
                     b.committed_at = time.time()
                     self._acknowledge(b, ACCEPT)
                 else:

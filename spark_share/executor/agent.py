@@ -93,7 +93,8 @@ def _redelivered(rb) -> int:
 
 class Agent:
     def __init__(self, tracker_addr, tracker_id: str, secret: str, consumer_config: dict[str, str],
-                 producer_config: dict[str, str], secret_values: list[str], alive_fd: int | None = None):
+                 producer_config: dict[str, str], secret_values: list[str], alive_fd: int | None = None,
+                 serve: bool = True):
         from ..options import scrub
 
         self.tracker_id = tracker_id
@@ -108,6 +109,7 @@ class Agent:
         self._staged: dict[tuple[int, str], list] = {}  # (batch, purpose) -> verdict chunks before their request
         self._inflight: dict[tuple[int, int], threading.Event] = {}
         self._session_seq = 0
+        self._shutting_down = False
         self.done = threading.Event()
         # An Ack is queued on the consumers on the wire's loop, as it arrives: the tracker does not wait
         # for it (at scale that wait was most of latestOffset), and a claim's answer, which comes behind
@@ -134,9 +136,11 @@ class Agent:
                                                  producer_config)
             self._deadletters.connect()
         self.pool.start(int(hello.get("slots", 1)))
+        # Without ``serve`` (readMode=driver: this agent lives in the source runner) no read task reaches it:
+        # the runner reads each slot itself as Spark plans the batch.
         self.server = wire.RpcServer(runtime.agent_socket_path(tracker_id), secret,
                                      dispatcher(self, TASK_TO_AGENT), name="agent",
-                                     scrub=self._scrub)
+                                     scrub=self._scrub) if serve else None
 
     def _new_session(self, max_poll_records: int | None = None):
         from .session import ShareSession
@@ -152,14 +156,14 @@ class Agent:
 
     # read tasks ----------------------------------------------------------------------------
     def _on_read(self, conn, m: Read):
-        return self._read(m.batch, m.slot, m.max_records, m.poll_timeout_ms, m.query_id, m.spark_batch, m.connect_session)
+        return self.read_slot(m.batch, m.slot, m.max_records, m.poll_timeout_ms, m.query_id, m.spark_batch, m.connect_session)
 
     def _on_ping(self, conn, m: Ping) -> dict:
         with self._lock:
             cached = len(self._cache)
         return {"agent_id": self.agent_id, "sessions": len(self.pool), "cached": cached}
 
-    def _read(self, batch: int, slot: int, max_records, poll_timeout_ms: int, query_id, spark_batch,
+    def read_slot(self, batch: int, slot: int, max_records, poll_timeout_ms: int, query_id, spark_batch,
               connect_session=None, lent: int = 0):
         """A read task's read of (batch, slot) (``lent``: one another host's read lent to this agent at the
         members' cap, that many times; its rows go back through the tracker)."""
@@ -334,13 +338,13 @@ class Agent:
         return self._ack_result(m.batch)
 
     def _on_dead_letter(self, conn, m: DeadLetter) -> dict:
-        return self._dead_letter(m.batch, self._staged_set(m.batch, "deadletter", m.staged))
+        return self._dead_letter(m.batch, self._staged_set(m.batch, "deadletter", m.staged), m.query_id)
 
     def _on_fetch(self, conn, m: Fetch):
         with self._lock:
             hit = self._cache.get((m.batch, m.slot))
         if hit is None and m.poll_timeout_ms is not None:  # a read lent to this agent: it reads the slot now
-            self._read(m.batch, m.slot, m.max_records, m.poll_timeout_ms, m.query_id, m.spark_batch, lent=m.lent)
+            self.read_slot(m.batch, m.slot, m.max_records, m.poll_timeout_ms, m.query_id, m.spark_batch, lent=m.lent)
             with self._lock:
                 hit = self._cache.get((m.batch, m.slot))
         if hit is None:
@@ -355,7 +359,7 @@ class Agent:
         threading.Thread(target=self.shutdown, name="agent-shutdown", daemon=True).start()
         return {"ok": True}
 
-    def _dead_letter(self, batch: int, want: VerdictSet) -> dict:
+    def _dead_letter(self, batch: int, want: VerdictSet, query_id: str | None = None) -> dict:
         """Write the rejected records of ``batch`` held here to the dead-letter target."""
         from .deadletter import rejected_table
 
@@ -364,7 +368,7 @@ class Agent:
         assert self._deadletters is not None, "dead letters asked of an agent started without a target"
         written = 0
         for e in entries:
-            table = rejected_table(e.full, want, e.query_id, batch)
+            table = rejected_table(e.full, want, e.query_id or query_id, batch)
             written += self._deadletters.write(table, batch, f"{self.tracker_id}-slot{e.slot}")
         return {"written": written}
 
@@ -401,16 +405,19 @@ class Agent:
 
     # lifecycle ------------------------------------------------------------------------------
     def _tracker_lost(self) -> None:
-        if not self.done.is_set():
+        if not self._shutting_down:
             log.warning("agent %s: tracker connection ended; releasing all records and exiting", self.agent_id)
             self.shutdown()
 
     def shutdown(self) -> None:
-        if self.done.is_set():
-            return
+        with self._lock:  # the tracker's Shutdown and a lost tracker connection may both call it
+            if self._shutting_down:
+                return
+            self._shutting_down = True
         closing = self.pool.close_all()  # close() releases whatever a session still holds, at once
         try:
-            self.server.close()
+            if self.server is not None:
+                self.server.close()
         except Exception:
             pass
         self._leave_host()
@@ -455,7 +462,8 @@ def _connect_tracker(tracker_addr, secret: str, inline=None, **kwargs) -> wire.R
                 f"executor {socket.gethostname()} cannot reach the spark-share tracker on the driver at {shown} "
                 f"({type(e).__name__}: {e}). Executors must reach the driver on this address and port: set "
                 "spark.driver.host (or SPARK_SHARE_BIND_HOST on the driver) to an address they can reach, and the "
-                "source option 'trackerPort' to a port or range your firewall opens") from None
+                "source option 'trackerPort' to a port or range your firewall opens; where executors may reach no "
+                "port of the driver but Spark's own (serverless, standard access mode), use readMode=driver") from None
 
 
 def main() -> None:

@@ -107,4 +107,9 @@ def _spawn_agent(tracker_addr, tracker_id: str, secret: str, opts, alive_fd: int
         line += chunk
     proc.stdout.close()
     if not line.startswith(b"READY"):
-        raise AgentError(f"the spark-share agent failed to start: {line.decode(errors='replace').strip() or 'no output'}; see {log_path}")
+        said = line.decode(errors="replace").strip()
+        if not said:  # it said nothing at all: ended from outside, as a sandbox ends what a task starts
+            raise AgentError(f"the spark-share agent was ended before it started (see {log_path}): this executor "
+                             "does not let a task start a process that outlives it (serverless, standard access "
+                             "mode and Kubernetes sandboxes do not); use the source option readMode=driver there")
+        raise AgentError(f"the spark-share agent failed to start: {said}; see {log_path}")

@@ -157,7 +157,8 @@ class Verdicts(Message):
     a ``verdict_set`` chunk (Arrow IPC), ``part`` of ``parts`` under one ``token``: the last part applies
     them all, or none. The batch is Spark's ``spark_batch`` (classic) or the one the ``connect_session``
     is reading (under Spark Connect, where foreachBatch sees no batch id): a tracker that reads no batch
-    for that session answers the first part ``{"match": False}`` and records nothing."""
+    for that session answers the first part ``{"match": False}`` and records nothing. A batch no read task
+    named (readMode=driver) is found by its rows: the running batch that acquired the first part's."""
     op: ClassVar[str] = "verdicts"
     carries_blob: ClassVar[bool] = True
     spark_batch: int | None
@@ -167,6 +168,9 @@ class Verdicts(Message):
     parts: int = 1
     reason: str | None = None
     connect_session: str | None = None
+    # Set when the user's process asks every tracker on its host (it found none registered under its query):
+    # a tracker that is not this query's, or whose running batch lacks these rows, answers ``match: False``.
+    query_id: str | None = None
 
 
 @dataclass
@@ -229,6 +233,7 @@ class DeadLetter(Message):
     op: ClassVar[str] = "deadletter"
     batch: int
     staged: int
+    query_id: str | None = None  # the dead letters' spark-share.queryId when the reads did not name it (readMode=driver)
 
 
 @dataclass

@@ -69,9 +69,16 @@ def _send(kind: str, rows, reason: str | None) -> int:
     if not coords.num_rows:
         return 0
     conn = tracker_for(qid)
-    if conn is None:
-        raise VerdictError(f"query {qid} is not a running kafka-share query on this host")
-    return _call(conn, kind, coords, reason, Verdicts(batch, kind, uuid.uuid4().hex, reason=reason))["records"]
+    if conn is not None:
+        return _call(conn, kind, coords, reason, Verdicts(batch, kind, uuid.uuid4().hex, reason=reason))["records"]
+    # No tracker registered this query yet (readMode=driver: no read task told it which query it serves):
+    # the one whose running batch holds these rows.
+    for conn in trackers_on_this_host():
+        rep = _call(conn, kind, coords, reason, Verdicts(batch, kind, uuid.uuid4().hex, reason=reason, query_id=qid))
+        if rep.get("match"):
+            return rep["records"]
+    raise VerdictError(f"query {qid} is not a running kafka-share query on this host, or these rows are not from "
+                       "the batch it is processing (pass rows of the DataFrame foreachBatch was given)")
 
 
 def _send_connect(spark, kind: str, coords, reason: str | None) -> int:

@@ -3,7 +3,7 @@ three worker hosts: tests/harness/spark_hosts.py) for hours, under random faults
 network and lost-driver tests prove one at a time; then the no-loss check and the resource verdict.
 
     .venv/bin/python tests/harness/cluster_soak.py --minutes 120 --seed 3 --out soak-out   # the soak (as root)
-    .venv/bin/python tests/harness/cluster_soak.py --minutes 4 --seed 1 --out soak-ci      # CI's few minutes
+    .venv/bin/python tests/harness/cluster_soak.py --minutes 5 --mean-gap 8 --seed 1 --out soak-ci   # CI's few minutes
 
 This process is Kafka and the operator: it runs the embedded broker (three brokers), produces at a steady
 rate the whole time, draws the faults from ``--seed`` and injects them one after another, restarts the

@@ -142,6 +142,8 @@ def run(entry: dict, wheel: str, pytest_args: list[str], oldest: bool) -> tuple[
            if k not in ("SPARK_SHARE_TEST_BOOTSTRAP", "SPARK_SHARE_TEST_KAFKA_START", "SPARK_SHARE_TEST_REAL_PASS",
                         "PYTHONPATH", "VIRTUAL_ENV")}
     env["PATH"] = os.path.join(venv, "bin") + os.pathsep + env.get("PATH", "")
+    # readMode=driver differs from executors in how rows reach the tasks, not in Spark's calls: it runs on 4.3.
+    env["SPARK_SHARE_TEST_READ_MODES"] = "executors"
     # From tests/: `python -m` (the agent, Spark's runner) must not find the repository's spark_share/.
     rc = subprocess.run([os.path.join(venv, "bin", "pytest"), "-c", os.path.join(ROOT, "pyproject.toml"),
                          "--rootdir", ROOT, "-p", "no:cacheprovider", *(ON_THE_OLDEST if oldest else CORE), *pytest_args],

@@ -171,11 +171,16 @@ def kafka_options(kafka) -> dict[str, str]:
     return {f"kafka.{k}": v for k, v in client_config(kafka).items()}
 
 
+# The readMode of the running test (``both_read_modes`` tests run once per mode: tests/integration/conftest.py);
+# read_stream and source_options pass it unless a test gives readMode itself.
+READ_MODE = "executors"
+
+
 def source_options(kafka, group: str, topics, **options) -> dict[str, str]:
     """The options of ``format("kafka-share")`` on the test's broker, as Spark hands them to the source."""
     return {**kafka_options(kafka), "kafka.group.id": group,
             "subscribe": topics if isinstance(topics, str) else ",".join(topics),
-            **{k: str(v) for k, v in options.items()}}
+            **{k: str(v) for k, v in {"readMode": READ_MODE, **options}.items()}}
 
 
 @dataclass
@@ -374,7 +379,7 @@ def read_stream(spark, kafka, group: str, topics, **options):
     r = (spark.readStream.format("kafka-share").options(**kafka_options(kafka))
          .option("kafka.group.id", group)
          .option("subscribe", topics if isinstance(topics, str) else ",".join(topics)))
-    for k, v in options.items():
+    for k, v in {"readMode": READ_MODE, **options}.items():
         r = r.option(k, str(v))
     return r.load()
 

@@ -21,6 +21,11 @@ import time
 import spark_share
 
 
+def _shortened(text: str) -> str:
+    """An error's head (Spark's summary) and tail (the Python exception that caused it), within 5,000 characters."""
+    return text if len(text) <= 5000 else text[:1500] + "\n...\n" + text[-3500:]
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["drain", "stream"])
@@ -174,9 +179,9 @@ def main(argv: list[str]) -> int:
         final = spark_share.status(q) if q.isActive else None
         q.stop()
         if q.exception() is not None:
-            error = str(q.exception())[:2000]
+            error = _shortened(str(q.exception()))
     except Exception as e:
-        error = str(e)[:2000]
+        error = _shortened(str(e))
         final = None
     done.set()
     sampler.join()

@@ -39,6 +39,26 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.skip(reason=f"{where}: {reason}"))
 
 
+def pytest_generate_tests(metafunc):
+    """``both_read_modes`` tests run once per readMode (the invariants hold in both); SPARK_SHARE_TEST_READ_MODES
+    (comma-separated) narrows them (the other Sparks' pass runs executors only)."""
+    if metafunc.definition.get_closest_marker("both_read_modes") is not None:
+        modes = os.environ.get("SPARK_SHARE_TEST_READ_MODES", "executors,driver").split(",")
+        metafunc.parametrize("read_mode", [m.strip() for m in modes if m.strip()], indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def read_mode(request):
+    """The readMode the test's source options carry: ``executors`` unless the test runs in both modes."""
+    from harness import support
+
+    support.READ_MODE = getattr(request, "param", "executors")
+    try:
+        yield support.READ_MODE
+    finally:
+        support.READ_MODE = "executors"
+
+
 def pytest_collection_finish(session):
     """One line before the tests run: which Kafka they run against (never a client option's value)."""
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")

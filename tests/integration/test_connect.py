@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import spark_share
+from harness import support
 from harness.support import (
     Workload,
     check_no_loss,
@@ -103,7 +104,7 @@ def remote(connect_url):
 def _read(remote, kafka, group, topic, **options):
     r = (remote.readStream.format("kafka-share").options(**kafka_options(kafka))
          .option("kafka.group.id", group).option("subscribe", topic))
-    for k, v in options.items():
+    for k, v in {"readMode": support.READ_MODE, **options}.items():
         r = r.option(k, str(v))
     return r.load()
 
@@ -122,6 +123,7 @@ def _json_lines(path) -> list[dict]:
             for line in open(f) if line.strip()]
 
 
+@pytest.mark.both_read_modes
 def test_verdicts_in_foreach_batch_on_the_server(remote, kafka, tmp_path):
     """reject() and release() in foreachBatch, unchanged user code: dead letters with reasons, released
     rows come back, AvailableNow drains and ends, nothing lost."""
@@ -325,6 +327,7 @@ def test_bad_verdicts_are_the_classic_errors(remote, kafka, tmp_path):
     assert "SPARK_SHARE_RUNTIME_DIR" in found["not_ours"]
 
 
+@pytest.mark.both_read_modes
 def test_failure_stop_and_restart_lose_nothing(remote, kafka, tmp_path):
     """foreachBatch raises after writing its batch (the query fails, the rows come back); a restart
     from the checkpoint goes on; a stop mid-batch releases what the batch held."""

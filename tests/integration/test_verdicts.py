@@ -24,6 +24,7 @@ from harness.support import (
 from spark_share.errors import VerdictError
 
 
+@pytest.mark.both_read_modes
 def test_dead_letter_topic_gets_original_record_and_reason_headers(spark, kafka, tmp_path):
     from confluent_kafka import Producer
 
@@ -63,6 +64,7 @@ def test_dead_letter_topic_gets_original_record_and_reason_headers(spark, kafka,
         assert h["spark-share.queryId"] == str(q.id).encode() and h["spark-share.batchId"] == b"0"
 
 
+@pytest.mark.both_read_modes
 def test_failed_dead_letter_write_acknowledges_nothing(spark, kafka, tmp_path):
     """The dead-letter target breaks before batch 0's rejects are written: nothing of batch 0 is
     acknowledged, the query fails naming the option, and a restart after the target is fixed gets
@@ -99,6 +101,7 @@ def test_failed_dead_letter_write_acknowledges_nothing(spark, kafka, tmp_path):
     assert drain_share_group(kafka, group, [w.topic], timeout=3) == []
 
 
+@pytest.mark.both_read_modes
 def test_max_delivery_count_sets_a_poison_record_aside(spark, kafka, tmp_path):
     w = Workload(kafka, "jobs", partitions=1)
     w.produce(30)
@@ -125,6 +128,7 @@ def test_max_delivery_count_sets_a_poison_record_aside(spark, kafka, tmp_path):
     assert dead[0]["deliveryCount"] == 3 and "maxDeliveryCount 3" in dead[0]["reason"]
 
 
+@pytest.mark.both_read_modes
 def test_long_processing_time_trigger_acknowledges_within_a_second(spark, kafka, tmp_path):
     kafka.set_record_lock_duration(10_000)
     w = Workload(kafka, "slow", partitions=2)
@@ -147,6 +151,7 @@ def test_long_processing_time_trigger_acknowledges_within_a_second(spark, kafka,
         q.stop()
 
 
+@pytest.mark.both_read_modes
 def test_bad_verdicts_are_clear_errors(spark, kafka, tmp_path):
     w = Workload(kafka, "bad", partitions=1)
     w.produce(10)

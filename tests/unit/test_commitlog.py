@@ -9,6 +9,8 @@ so the batch is released and delivered again rather than ACCEPTed on a guess.
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from spark_share import runtime
@@ -103,3 +105,19 @@ def test_the_note_is_json_the_user_process_writes(runtime_dir, tmp_path):
     root = checkpoint(tmp_path, [5])
     runtime.write_private_json(runtime.checkpoint_note_path("q4"), {"root": str(root), "runId": "r-1"})
     assert CommitLog.of_query("q4").has(5)
+
+
+def test_a_run_finds_its_query_and_batches_by_the_offsets_it_wrote(runtime_dir, tmp_path):
+    """readMode=driver: no read task names the query to the tracker, so a stop finds the query whose newest
+    offsets carry the run's own, and Spark's id of each of its batches there."""
+    root = checkpoint(tmp_path, [3])
+    for spark_batch, ours in ((2, 0), (3, 1), (4, 2)):  # Spark's ids run ahead of ours (a no-data batch)
+        (root / "offsets" / str(spark_batch)).write_text(
+            'v1\n{"batchWatermarkMs":0}\n' + json.dumps({"v": 1, "batch": ours, "run": "r1"}))
+    runtime.write_private_json(runtime.checkpoint_note_path("other"), {"root": str(tmp_path / "nothing")})
+    runtime.write_private_json(runtime.checkpoint_note_path("q9"), {"root": str(root)})
+    query, log = CommitLog.of_run("r1")
+    assert query == "q9"
+    assert log.spark_batch_of("r1", 1) == 3 and log.has(3)
+    assert log.spark_batch_of("r1", 2) == 4 and not log.has(4)
+    assert log.spark_batch_of("r2", 1) is None and CommitLog.of_run("r2") is None

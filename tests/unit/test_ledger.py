@@ -20,7 +20,8 @@ def ledger() -> BatchLedger:
     return BatchLedger(BatchPolicy(2, idle_probe_ms=1000), max_delivery_count=5)
 
 
-def verdicts(ledger: BatchLedger, spark_batch, kind: str, rows: list, reason=None, connect_session=None) -> dict:
+def verdicts(ledger: BatchLedger, spark_batch, kind: str, rows: list, reason=None, connect_session=None,
+             query_id=None, ours=True) -> dict:
     """A reject()/release() call of the user's process, as the tracker gets it: chunks under one token."""
     import uuid
 
@@ -32,11 +33,11 @@ def verdicts(ledger: BatchLedger, spark_batch, kind: str, rows: list, reason=Non
                       "offset": pa.array([r[2] for r in rows], pa.int64())})
     chunks = VerdictSet.of(table, {"reject": REJECT, "release": RELEASE}[kind], reason).chunks(rows=1)
     msg = Verdicts(spark_batch, kind, uuid.uuid4().hex, parts=len(chunks), reason=reason,
-                   connect_session=connect_session)
+                   connect_session=connect_session, query_id=query_id)
     rep: dict = {}
     for part, chunk in enumerate(chunks):
         msg.part = part
-        rep = ledger.record_verdicts(msg, chunk)
+        rep = ledger.record_verdicts(msg, chunk, ours=ours)
         if not rep.get("match", True):
             break
     return rep
@@ -129,6 +130,38 @@ def test_verdicts_under_connect_find_the_batch_by_session(ledger):
     assert verdicts(ledger, None, "release", [["t", 0, 2]], connect_session="other") == {"match": False}
     assert verdicts(ledger, None, "release", [["t", 0, 2]], connect_session="s1")["records"] == 1
     assert given(ledger.batches[0]) == [("t", 0, 2, RELEASE, None)]
+
+
+def test_a_batch_no_read_named_is_found_by_its_rows(ledger):
+    """readMode=driver: the reads never reach the tracker, so no claim names Spark's batch id. Verdicts
+    sent to every tracker of the host (not known to be this query's) match the running batch only when
+    it holds their rows; verdicts sent to this query's tracker take the running batch, and its rows are
+    checked as always. Either way the batch takes Spark's id for the next calls."""
+    ledger.plan(0, None, version=1)
+    ledger.claim(Claim(0, 0), "driver", {"driver"})
+    acquired(ledger, 0, 0, "driver", {"t": {"0": [[0, 9]]}})
+    assert verdicts(ledger, 7, "reject", [["t", 0, 50]], query_id="q", ours=False) == {"match": False}
+    assert ledger.batches[0].spark_batch is None
+    assert verdicts(ledger, 7, "reject", [["t", 0, 1]], query_id="q", ours=False)["records"] == 1
+    assert ledger.batches[0].spark_batch == 7
+    with pytest.raises(VerdictError, match="1 of 2 rows are not from batch 7"):
+        verdicts(ledger, 7, "release", [["t", 0, 2], ["t", 0, 50]])
+    ledger.plan(1, None, version=1)
+    ledger.claim(Claim(1, 0), "driver", {"driver"})
+    acquired(ledger, 1, 0, "driver", {"t": {"0": [[10, 19]]}})
+    with pytest.raises(VerdictError, match="1 of 1 rows are not from batch 9"):  # ours: the running batch, checked
+        verdicts(ledger, 9, "reject", [["t", 0, 1]])
+    assert ledger.batches[1].spark_batch == 9 and given(ledger.batches[0]) == [("t", 0, 1, REJECT, None)]
+
+
+def test_under_connect_a_batch_no_read_named_is_found_by_its_rows(ledger):
+    ledger.plan(0, None, version=1)
+    ledger.claim(Claim(0, 0), "driver", {"driver"})  # readMode=driver: no session in the claim
+    acquired(ledger, 0, 0, "driver", {"t": {"0": [[0, 3]]}})
+    assert verdicts(ledger, None, "reject", [["t", 0, 9]], connect_session="s1") == {"match": False}
+    assert verdicts(ledger, None, "reject", [["t", 0, 2]], connect_session="s1")["records"] == 1
+    assert ledger.batches[0].connect_sessions == {"s1"}
+    assert verdicts(ledger, None, "release", [["t", 0, 1]], connect_session="s2") == {"match": False}
 
 
 def test_only_batches_spark_committed_are_due(ledger):

@@ -170,3 +170,10 @@ def test_network_encryption_is_no_option_any_more():
     with pytest.raises(OptionError, match="unknown option 'networkEncryption'"):
         parse_options(dict(BASE, networkEncryption="true"))
     assert not hasattr(parse_options(BASE), "encrypt_network")
+
+
+def test_read_mode_is_executors_unless_driver_is_asked_for():
+    assert parse_options(BASE).read_mode == "executors"
+    assert parse_options(dict(BASE, readmode="Driver")).read_mode == "driver"
+    with pytest.raises(OptionError, match=r"option 'readMode' must be one of executors, driver, got 'driver-side'"):
+        parse_options(dict(BASE, readMode="driver-side"))

@@ -25,6 +25,7 @@ from harness.support import (
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.both_read_modes
 @pytest.mark.embedded_only("injects ShareFetch errors and moves a partition's leader")
 @pytest.mark.parametrize("inject", ["retriable", "fatal", "leader_move"])
 def test_row7_share_fetch_errors(spark, tmp_path, inject):
@@ -55,6 +56,7 @@ def test_row7_share_fetch_errors(spark, tmp_path, inject):
         check_no_loss(w.ids, collector.ids, duplicates_reason="share sessions reset by the injected fault")
 
 
+@pytest.mark.both_read_modes
 @pytest.mark.embedded_only("injects ShareAcknowledge errors")
 def test_row8_share_acknowledge_errors(spark, kafka, tmp_path):
     """The acknowledgement of batch 0 fails: the records come back, the failure is counted and
@@ -77,6 +79,7 @@ def test_row8_share_acknowledge_errors(spark, kafka, tmp_path):
     assert "'TOPIC_AUTHORIZATION_FAILED(29)': 100" in tracker_log(q)
 
 
+@pytest.mark.both_read_modes
 def test_row9_broker_down_while_records_are_acquired(spark, kafka, tmp_path):
     """The broker goes away for 3 s right after batch 0 wrote (embedded: down/up; real Kafka: a clean
     stop and a start on the same data directory): batch 0's acknowledgement waits for it or fails and

@@ -16,6 +16,7 @@ from harness.support import BatchCollector, Workload, check_no_loss, gid, read_s
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.both_read_modes
 def test_row1_crash_after_sink_write_redelivers_the_batch(spark, kafka, tmp_path):
     """Invariant 1: nothing is ACCEPTed before the batch is in the commit log."""
     w = Workload(kafka, "payments", partitions=2)
@@ -48,6 +49,7 @@ def test_row1_crash_after_sink_write_redelivers_the_batch(spark, kafka, tmp_path
     check_no_loss(w.ids, collector.ids)
 
 
+@pytest.mark.both_read_modes
 def test_row12_one_query_fails_the_other_is_unaffected(spark, kafka, tmp_path):
     wa, wb = Workload(kafka, "r12a", partitions=1), Workload(kafka, "r12b", partitions=1)
     wa.produce(100)

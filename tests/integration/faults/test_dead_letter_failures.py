@@ -29,6 +29,7 @@ from .helpers import StubAgent, acquired, tracker
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.both_read_modes
 @pytest.mark.embedded_only("injects Produce errors on the dead-letter topic")
 def test_verdicts_dead_letter_topic_that_refuses_writes_fails_the_query_and_loses_nothing(spark, kafka, tmp_path):
     """Writes to the dead-letter topic fail (TOPIC_AUTHORIZATION_FAILED on Produce): no REJECT is

@@ -31,6 +31,7 @@ from .helpers import StubAgent, acquired, tracker
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.both_read_modes
 def test_row13_a_replayed_batch_reads_nothing_so_an_idempotent_writer_loses_nothing(spark, kafka, tmp_path):
     """foreachBatch counts the batch, skips a batch id it already wrote (Delta's txnAppId/txnVersion)
     and otherwise writes. Run 1 writes batch 0 and fails before Spark's commit: batch 0 is released,
@@ -71,10 +72,12 @@ def test_row13_a_replayed_batch_reads_nothing_so_an_idempotent_writer_loses_noth
     assert report.duplicates <= len(written[0])
 
 
-def test_row14_an_action_on_a_batch_after_it_committed_acquires_nothing(spark, kafka, tmp_path):
-    """A batch DataFrame kept and read again 25 batches later (as a zombie task attempt would) fails
-    clearly and acquires nothing; before, it polled new records under the old batch id and the next
-    commit ACCEPTed them unseen."""
+@pytest.mark.both_read_modes
+def test_row14_an_action_on_a_batch_after_it_committed_acquires_nothing(spark, kafka, tmp_path, read_mode):
+    """A batch DataFrame kept and read again 25 batches later (as a zombie task attempt would) acquires
+    nothing; before, it polled new records under the old batch id and the next commit ACCEPTed them
+    unseen. With readMode=executors it fails clearly (the agents no longer hold the rows); with
+    readMode=driver it gets the batch's own rows again: they are in its task payloads."""
     w = Workload(kafka, "kept", partitions=1)
     w.produce(60)
     kept, late = {}, []
@@ -83,7 +86,7 @@ def test_row14_an_action_on_a_batch_after_it_committed_acquires_nothing(spark, k
     def process(df, batch_id):
         collector(df, batch_id)
         if batch_id == 0:
-            kept["df"] = df
+            kept["df"], kept["rows"] = df, df.count()
         if batch_id == 25:
             try:
                 late.append(kept["df"].count())
@@ -95,12 +98,16 @@ def test_row14_an_action_on_a_batch_after_it_committed_acquires_nothing(spark, k
          .option("checkpointLocation", str(tmp_path / "ck")))
     assert q.awaitTermination(180)
     assert q.exception() is None
-    assert len(late) == 1 and isinstance(late[0], str), f"the late action returned {late}"
-    assert "already committed and its records acknowledged" in late[0] and "persist()" in late[0], late[0][:2000]
+    if read_mode == "driver":
+        assert late == [kept["rows"]] and kept["rows"] > 0, f"the late action returned {late}, not batch 0's rows"
+    else:
+        assert len(late) == 1 and isinstance(late[0], str), f"the late action returned {late}"
+        assert "already committed and its records acknowledged" in late[0] and "persist()" in late[0], late[0][:2000]
     assert source_progress(q)["acquired"] == 60, "the late action acquired records"
     assert check_no_loss(w.ids, collector.ids).duplicates == 0
 
 
+@pytest.mark.both_read_modes
 def test_row15_the_file_sink_skips_a_replayed_batch_and_loses_nothing(spark, kafka, tmp_path):
     """A crash between the file sink's commit and Spark's commit log (commits/0 removed): Spark
     replays batch 0, the sink skips it without reading, and the records produced meanwhile are

@@ -28,9 +28,11 @@ from harness.support import (
 pytestmark = pytest.mark.slow
 
 
-def test_row3_driver_side_killed_holding_records(spark, kafka, tmp_path):
+@pytest.mark.both_read_modes
+def test_row3_driver_side_killed_holding_records(spark, kafka, tmp_path, read_mode):
     """The reader's runner process (the tracker) is SIGKILLed while a batch holds records: the
-    agents see their tracker vanish, release everything and exit; a restart recovers all."""
+    agents see their tracker vanish, release everything and exit (readMode=driver: the consumers die
+    with it); a restart recovers all."""
     w = Workload(kafka, "r3", partitions=2)
     w.produce(200)
     group, ck = kafka.group(gid()), str(tmp_path / "ck")
@@ -48,7 +50,8 @@ def test_row3_driver_side_killed_holding_records(spark, kafka, tmp_path):
          .option("checkpointLocation", ck).start())
     with pytest.raises(Exception):
         q.awaitTermination(120)
-    assert state["killed"] >= 1 and state["agents"]
+    assert state["killed"] >= 1
+    assert bool(state["agents"]) == (read_mode == "executors"), state["agents"]
     wait_until(lambda: not (state["agents"] & {p.pid for p in agent_processes()}), timeout=30,
                message="agents outlived their tracker")
     collector = BatchCollector()

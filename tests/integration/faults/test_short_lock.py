@@ -22,6 +22,7 @@ from harness.support import (
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.both_read_modes
 def test_row10_batch_outlives_the_lock_and_batches_shrink(spark, kafka, tmp_path):
     """Lock 3 s, processing 10 ms per record: a 400-record batch outlives its lock. The expiry is
     counted and logged with advice, later batches shrink until they fit, nothing is lost."""

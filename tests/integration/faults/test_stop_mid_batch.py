@@ -38,7 +38,8 @@ from spark_share.runtime import agent_socket_path
 pytestmark = pytest.mark.slow
 
 
-def test_row2_stop_mid_batch_releases_at_once_and_leaves_nothing_running(spark, kafka, tmp_path):
+@pytest.mark.both_read_modes
+def test_row2_stop_mid_batch_releases_at_once_and_leaves_nothing_running(spark, kafka, tmp_path, read_mode):
     """Invariant 5: q.stop() in the middle of a batch RELEASEs its records; no agent stays behind.
     Then a restart from the checkpoint (replaying the uncommitted batch) delivers everything."""
     kafka.set_record_lock_duration(60_000)  # only a release, not lock expiry, can hand them out in time
@@ -58,7 +59,7 @@ def test_row2_stop_mid_batch_releases_at_once_and_leaves_nothing_running(spark, 
                if registry(q.id) else False, timeout=60, message="the batch never started")
     reg = registry(q.id)
     tracker_id = reg["tracker_id"]
-    assert agent_processes(tracker_id)
+    assert bool(agent_processes(tracker_id)) == (read_mode == "executors")  # readMode=driver: none, ever
     held = spark_share.status(q)["inflightRecords"]
     t0 = time.monotonic()
     q.stop()

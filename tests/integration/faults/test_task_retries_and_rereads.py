@@ -26,6 +26,7 @@ from harness.support import (
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.both_read_modes
 def test_row6_two_actions_and_a_task_retry_see_the_same_rows(spark, kafka, tmp_path):
     """Invariant 3: re-reads of a batch return the rows first acquired; nothing extra is acquired."""
     w = Workload(kafka, "events", partitions=2)
@@ -82,6 +83,7 @@ def test_row6_two_actions_and_a_task_retry_see_the_same_rows(spark, kafka, tmp_p
     assert check_no_loss(w.ids, delivered).duplicates == 0
 
 
+@pytest.mark.both_read_modes
 def test_row11_reexecution_with_persist(spark, kafka, tmp_path):
     w = Workload(kafka, "r11", partitions=2)
     w.produce(200)

@@ -27,6 +27,7 @@ from harness.support import (
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.both_read_modes
 def test_verdicts_reject_release_and_accept(spark, kafka, tmp_path):
     w = Workload(kafka, "orders", partitions=2)
     w.produce(300)
@@ -70,6 +71,7 @@ def test_verdicts_reject_release_and_accept(spark, kafka, tmp_path):
     assert drain_share_group(kafka, group, [w.topic], timeout=3) == []
 
 
+@pytest.mark.both_read_modes
 def test_verdicts_follow_spark_batch_ids_that_run_ahead_of_the_source(spark, kafka, tmp_path):
     """Another source in the query makes Spark run a batch in which kafka-share has nothing: Spark's
     batch ids then run ahead of the source's. Verdicts and commit signals name Spark's batch; they

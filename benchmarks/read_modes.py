@@ -1,0 +1,150 @@
+"""readMode=driver beside readMode=executors and a raw share-consumer loop, measured side by side in one run.
+
+    .venv/bin/python benchmarks/read_modes.py [--records 1000000] [--partitions 8] [--locks 2000,10000] [--out out]
+    .venv/bin/python benchmarks/read_modes.py --bootstrap-servers broker:9092 [--kafka-option K=V ...]   # your cluster
+
+For each record-lock limit (the broker's group.share.partition.max.record.locks; set on the embedded broker,
+a cluster of yours keeps its own): a raw loop (one share consumer per partition, ACCEPT per record), then an
+AvailableNow query (local[2], noop sink, the source's default read tasks) in each mode over a backlog of the
+same shape: records/s from the query's start and after its first batch, and CPU seconds per million records
+on the driver side (the source runner: with readMode=driver the consumers live there) and on the executor
+side (Python workers, and with readMode=executors the agent). Then readMode=driver's ceiling through the
+driver: records/s and MB/s at 1 KB and 10 KB values. Prints a table and the ratios, writes results.json.
+Absolute numbers vary from run to run on a shared 2-core machine; the ratios of one run are what to compare.
+Not part of the test run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from benchmark import BROKER, cluster, raw_loop, share_run  # noqa: E402  (also puts the repository on the path)
+
+from harness.kafka_cluster import cluster_options  # noqa: E402
+
+DRIVER_SIDE = ("runner",)
+EXECUTOR_SIDE = ("python workers", "agent")
+
+
+def produce(kafka, topic: str, n: int, partitions: int, value_bytes: int) -> None:
+    from confluent_kafka import Producer
+
+    from spark_share.job.workload import produce_waiting
+
+    p = Producer({**kafka.client(), "linger.ms": 5, "batch.num.messages": 10000})
+    payload = b"x" * value_bytes
+    for i in range(n):
+        produce_waiting(p, topic, key=str(i).encode(), value=payload, partition=i % partitions)
+    p.flush(120)
+
+
+def backlog(kafka, partitions: int, n: int, value_bytes: int, locks: int) -> str:
+    from spark_share.embedded import EmbeddedKafka
+
+    if isinstance(kafka, EmbeddedKafka):
+        kafka.set_max_record_locks(locks)
+    topic = kafka.create_topic("t", partitions)
+    produce(kafka, topic, n, partitions, value_bytes)
+    return topic
+
+
+def side_cpu_per_m(cpu: dict, kinds: tuple[str, ...], records: int) -> float:
+    return sum(v for k, v in cpu.items() if k in kinds) / max(records, 1) * 1e6
+
+
+def mode_run(spark, args, mode: str, locks: int, n: int, value_bytes: int, tmp: str) -> dict:
+    with cluster(args) as kafka:
+        topic = backlog(kafka, args.partitions, n, value_bytes, locks)
+        r = share_run(spark, kafka, topic, None, n, tmp, locks=locks, readMode=mode)
+    return {"mode": mode, "locks": locks, "value_bytes": value_bytes, "records": r["records"],
+            "batches": r["batches"], "rps": r["records"] / r["seconds"],
+            "steady_rps": r["steady_records"] / max(r["steady_seconds"], 1e-9),
+            "mb_per_s": r["records"] * value_bytes / r["seconds"] / 1e6,
+            "driver_cpu_per_m": side_cpu_per_m(r["cpu_by_process"], DRIVER_SIDE, r["records"]),
+            "executor_cpu_per_m": side_cpu_per_m(r["cpu_by_process"], EXECUTOR_SIDE, r["records"]),
+            "broker_cpu_per_m": side_cpu_per_m(r["cpu_by_process"], (BROKER,), r["records"]),
+            "cpu_by_process": {k: round(v, 2) for k, v in r["cpu_by_process"].items()}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--records", type=int, default=1_000_000)
+    ap.add_argument("--partitions", type=int, default=8)
+    ap.add_argument("--value-bytes", type=int, default=100)
+    ap.add_argument("--locks", default="2000,10000", help="record-lock limits to run at, comma-separated")
+    ap.add_argument("--ceiling-records", default="200000,20000",
+                    help="records of the 1 KB and the 10 KB ceiling runs (readMode=driver)")
+    ap.add_argument("--out", default="read-modes-out")
+    ap.add_argument("--bootstrap-servers", help="a Kafka >= 4.2 cluster of yours instead of the embedded broker")
+    ap.add_argument("--kafka-option", action="append", default=[], metavar="K=V",
+                    help="a client config for that cluster; repeatable; @FILE reads them from FILE")
+    args = ap.parse_args(argv)
+    args.kafka_options = cluster_options(ap, args)
+    os.makedirs(args.out, exist_ok=True)
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    from pyspark.sql import SparkSession
+
+    import spark_share
+
+    spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
+             .config("spark.ui.showConsoleProgress", "false").config("spark.sql.shuffle.partitions", "2").getOrCreate())
+    spark.sparkContext.setLogLevel("ERROR")
+    spark_share.register(spark)
+    tmp = tempfile.mkdtemp(prefix="bench-modes-")
+    results: dict = {"records": args.records, "partitions": args.partitions, "value_bytes": args.value_bytes,
+                     "cluster": "yours" if args.bootstrap_servers else "embedded", "runs": [], "ceiling": []}
+    # Warm-up, not measured: the session's first query pays JIT compilation and Python workers' start.
+    for mode in ("executors", "driver"):
+        mode_run(spark, args, mode, 2000, 20_000, args.value_bytes, tmp)
+    for locks in (int(x) for x in args.locks.split(",")):
+        with cluster(args) as kafka:
+            raw = raw_loop(kafka, backlog(kafka, args.partitions, args.records, args.value_bytes, locks),
+                           args.partitions, args.records)
+        row = {"mode": "raw loop", "locks": locks, "records": raw["records"], "rps": raw["records"] / raw["seconds"],
+               "cpu_per_m": raw["cpu"] / raw["records"] * 1e6}
+        print(json.dumps(row), flush=True)
+        results["runs"].append(row)
+        for mode in ("executors", "driver"):
+            row = mode_run(spark, args, mode, locks, args.records, args.value_bytes, tmp)
+            print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+            results["runs"].append(row)
+    for value_bytes, n in zip((1000, 10_000), (int(x) for x in args.ceiling_records.split(","))):
+        row = mode_run(spark, args, "driver", 10_000, n, value_bytes, tmp)
+        print("ceiling", json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        results["ceiling"].append(row)
+    spark.stop()
+    json.dump(results, open(os.path.join(args.out, "results.json"), "w"), indent=1)
+    print(table(results))
+    return 0
+
+
+def table(results: dict) -> str:
+    lines = ["| locks | mode | records/s from start | after the first batch | driver CPU-s/M | executor CPU-s/M |",
+             "|---|---|---|---|---|---|"]
+    by = {(r["locks"], r["mode"]): r for r in results["runs"]}
+    for (locks, mode), r in by.items():
+        if mode == "raw loop":
+            lines.append(f"| {locks:,} | raw loop ({results['partitions']} consumers) | {r['rps']:,.0f} | - | "
+                         f"{r['cpu_per_m']:.1f} (its process) | - |")
+        else:
+            lines.append(f"| {locks:,} | {mode} | {r['rps']:,.0f} | {r['steady_rps']:,.0f} | "
+                         f"{r['driver_cpu_per_m']:.1f} | {r['executor_cpu_per_m']:.1f} |")
+    for locks in sorted({r["locks"] for r in results["runs"]}):
+        d, e, raw = by.get((locks, "driver")), by.get((locks, "executors")), by.get((locks, "raw loop"))
+        if d and e and raw:
+            lines.append(f"\nlocks {locks:,}: driver/executors {d['rps'] / e['rps']:.2f} from start, "
+                         f"{d['steady_rps'] / e['steady_rps']:.2f} after the first batch; driver/raw {d['rps'] / raw['rps']:.2f}")
+    for c in results["ceiling"]:
+        lines.append(f"\nreadMode=driver at {c['value_bytes']:,} B values: {c['rps']:,.0f} records/s, "
+                     f"{c['mb_per_s']:.0f} MB/s through the driver")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""``readMode=driver``: the query run's share consumers in the source runner, beside the tracker; a batch's
+records acquired as Spark plans it and carried to the read tasks inside their input partitions.
+
+Owns: the in-process agent (the agent of executor hosts, without the socket read tasks use there: it
+reaches the tracker over the tracker's own protocol, so claims, acquisitions, verdicts, dead letters,
+acknowledgements and the stop take one path in both modes), reading every slot of a planned batch at
+once, and cutting a slot's rows into partitions that fit a task payload.
+
+Must never: give executors anything to do but decode Arrow (no process, socket, file or variable of
+ours on an executor host), or hand Spark a partition whose rows the tracker does not know of (a slot's
+``Acquired`` reaches the tracker before ``partitions`` returns).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from pyspark.sql.datasource import InputPartition
+
+from .executor import records
+from .executor.agent import CLOSE_WAIT_S, Agent
+from .options import ShareSourceOptions
+
+log = logging.getLogger("spark_share.driver_reads")
+
+# A slot's rows are cut into partitions of at most this many bytes of Arrow IPC: every task's payload
+# crosses Spark's RPC (spark.rpc.message.maxSize, 128 MiB by default) and sits in the driver's memory
+# until the batch ends; Spark warns above 1 MiB per task, which a full poll of 100-byte records passes.
+PARTITION_BYTES = 16 << 20
+
+
+class RowsPartition(InputPartition):
+    """One Spark task of a ``readMode=driver`` batch: the rows themselves, as Arrow IPC. A task retry, a
+    second action on the batch DataFrame or a lost executor gets these same rows from Spark."""
+
+    def __init__(self, batch: int, slot: int, piece: int, ipc: bytes):
+        super().__init__(None)
+        self.batch, self.slot, self.piece, self.ipc = batch, slot, piece, ipc
+
+    def __repr__(self) -> str:
+        return f"RowsPartition(batch={self.batch}, slot={self.slot}, piece={self.piece}, bytes={len(self.ipc)})"
+
+    __str__ = __repr__
+
+
+class DriverReads:
+    """The consumers of a ``readMode=driver`` run and the reads of its batches, in the source runner."""
+
+    def __init__(self, tracker, opts: ShareSourceOptions):
+        self._opts = opts
+        self._agent: Future = Future()
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        # Started on a thread of its own: its consumers join the group while Spark writes the first offsets.
+        threading.Thread(target=self._start, args=(tracker,), name="spark-share-driver-agent", daemon=True).start()
+
+    def _start(self, tracker) -> None:
+        opts = self._opts
+        try:
+            self._agent.set_result(Agent(tracker.address, tracker.tracker_id, tracker.secret, opts.consumer_config(),
+                                         opts.producer_config() if opts.dead_letter_topic else {},
+                                         opts.secret_values(), serve=False))
+        except BaseException as e:  # the first batch's planning raises it
+            self._agent.set_exception(e)
+
+    def partitions(self, batch: int, budgets: list[int | None]) -> list[RowsPartition]:
+        """Every slot of ``batch`` read now, in parallel (a slot read before, by a second planning of the same
+        batch, gets its cached rows), and cut into partitions."""
+        agent = self._agent.result(timeout=120)
+        with self._lock:
+            if self._pool is None or self._pool._max_workers < len(budgets):
+                self._pool = ThreadPoolExecutor(max(len(budgets), 1), thread_name_prefix="spark-share-read")
+            pool = self._pool
+        reads = [pool.submit(agent.read_slot, batch, slot, budget, self._opts.poll_timeout_ms, None, None)
+                 for slot, budget in enumerate(budgets)]
+        out: list[RowsPartition] = []
+        for slot, f in enumerate(reads):
+            _, ipc = f.result()
+            out.extend(RowsPartition(batch, slot, i, piece) for i, piece in enumerate(_pieces(ipc)))
+        return out
+
+    def close(self) -> None:
+        """After the tracker's stop (which shut the agent down through its connection): wait, bounded, for the
+        consumers to close, then let the read threads go."""
+        if self._agent.done() and self._agent.exception() is None:
+            agent = self._agent.result()
+            if not agent.done.wait(CLOSE_WAIT_S):
+                agent.shutdown()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _pieces(ipc) -> list[bytes]:
+    """A slot's Arrow IPC, in pieces of at most PARTITION_BYTES (whole rows each; one piece if it fits)."""
+    if ipc.size <= PARTITION_BYTES:
+        return [ipc.to_pybytes()]
+    batches = records.from_ipc(ipc)
+    rows = sum(b.num_rows for b in batches)
+    import pyarrow as pa
+
+    table = pa.Table.from_batches(batches)
+    n = -(-ipc.size // PARTITION_BYTES)
+    step = -(-rows // n)
+    return [records.to_ipc(table.slice(i, step).combine_chunks().to_batches()[0]).to_pybytes()
+            for i in range(0, rows, step)]

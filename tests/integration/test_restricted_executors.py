@@ -1,0 +1,185 @@
+"""readMode=driver where the executors are sandboxed, emulated on the namespace cluster (tests/harness/spark_hosts.py):
+what serverless compute, standard access mode and Kubernetes forbid user code on executors.
+
+- (a) The executors reach no port of the driver host but Spark's own: in the driver's namespace, iptables drops
+  every new connection from the network except to the master, ``spark.driver.port`` and
+  ``spark.driver.blockManager.port`` (checked: a worker host cannot reach the tracker's port).
+- (b) Nothing a task starts outlives it: a watcher ends, as soon as it appears, every process on the worker hosts
+  that is not Spark's: one a Python worker started (below pyspark's daemon, not a worker itself), or one
+  that left its parent (a detached process) other than the harness's relays and probes. A container torn
+  down at the earliest.
+- (c) A /tmp of its own on every host (as the cluster always has), in which nothing of spark-share appears.
+
+Under them, a drain with a task that fails once and is retried on another host, and a foreachBatch that
+raises after its write (the query restarted from its checkpoint): every record read, none lost, the watcher
+never had anything to end, no file of ours on the worker hosts. Not emulated here: a read-only root file
+system, dynamic allocation and the user's process in another mount namespace (docs/deploy.md says so).
+
+Needs root, socat and iptables (./dev test installs them when it runs as root); without them the test skips,
+naming what is missing.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from harness import cluster_runs
+from harness.spark_hosts import MASTER_PORT
+from harness.support import Workload, check_no_loss, gid, ids_of
+
+pytestmark = pytest.mark.slow
+
+DRIVER_PORT, BLOCK_MANAGER_PORT, TRACKER_PORT = 7079, 7080, 7081
+PROBE = "# sandbox probe"
+PYSPARK = (b"pyspark.daemon", b"pyspark.worker")
+HARNESS = (b"java", b"socat", b"unshare", b"spark-class", PROBE.encode())  # what the harness starts on a host
+
+
+class Sandbox:
+    """(a) and (b) on ``cluster`` while in the ``with``; ``ended`` lists what the watcher had to end."""
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+        self.ended: list[str] = []
+        self._stop = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="sandbox-watcher", daemon=True)
+
+    def __enter__(self) -> Sandbox:
+        self._iptables("-A", "INPUT", "-i", "eth0", "-p", "tcp", "-m", "conntrack", "--ctstate", "NEW", "-m", "multiport",
+                       "!", "--dports", f"{MASTER_PORT},{DRIVER_PORT},{BLOCK_MANAGER_PORT}", "-j", "DROP")
+        self._watcher.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._watcher.join(10)
+        self._iptables("-F", "INPUT")  # the cluster serves the run's other tests
+
+    def _iptables(self, *args: str) -> None:
+        subprocess.run(["ip", "netns", "exec", self.cluster.ns("driver"), "iptables", *args], check=True)
+
+    def _watch(self) -> None:
+        workers = [h for h in self.cluster.hosts if h != "driver"]
+        while not self._stop.wait(0.1):
+            for host in workers:
+                for pid in self.cluster.pids(host):
+                    cmd = _cmdline(pid)
+                    if cmd and not _sparks_own(pid, cmd):
+                        try:
+                            os.kill(pid, 9)
+                        except ProcessLookupError:
+                            continue
+                        shown = cmd.replace(b"\0", b" ").decode(errors="replace")[:200]
+                        self.ended.append(f"{host}: {shown}")
+
+    def reaches_tracker_port(self, host: str) -> bool:
+        probe = (f"{PROBE}\nimport socket\ntry:\n socket.create_connection(({self.cluster.hosts['driver']!r}, {TRACKER_PORT}), 3)"
+                 "\nexcept ConnectionRefusedError:\n print('refused')\nexcept OSError:\n print('no route')\nelse:\n print('open')")
+        out = subprocess.run(["ip", "netns", "exec", self.cluster.ns(host), sys.executable, "-c", probe],
+                             capture_output=True, text=True, timeout=30).stdout.strip()
+        return out != "no route"
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _sparks_own(pid: int, cmd: bytes) -> bool:
+    """Started by Spark (a JVM's helper: ``rm``, ``chmod``), pyspark's daemon or a worker it forked, or the
+    harness; not something a Python worker started, nor a process that detached from its parent."""
+    if any(p in cmd for p in PYSPARK) or any(h in cmd for h in HARNESS) or cmd.startswith(b"sh\0-c\0"):
+        return True
+    ancestor = _parent(pid)
+    while ancestor > 1:
+        up = _cmdline(ancestor)
+        if any(p in up for p in PYSPARK):
+            return False  # a Python worker's child
+        if b"java" in up:
+            return True
+        ancestor = _parent(ancestor)
+    return False  # detached (re-parented to init)
+
+
+def ours_on(cluster, host: str) -> set[str]:
+    """Files of spark-share under ``host``'s /tmp (runtime directories of agents of earlier tests included)."""
+    return set(glob.glob(os.path.join(cluster.host_tmp(host), "spark-share-*", "*")))
+
+
+def test_driver_mode_reads_everything_on_executors_that_may_run_nothing_of_ours(namespace_cluster, kafka):
+    cluster = namespace_cluster
+    w = Workload(kafka, "sandboxed", partitions=3)
+    ids = w.produce(1500)
+    group = kafka.group(gid())
+    shared = os.path.join(cluster.shared, f"sandboxed-{gid()}")
+    workers = [h for h in cluster.hosts if h != "driver"]
+    before = {h: ours_on(cluster, h) for h in workers}
+    cluster.forward(kafka.bootstrap_servers)  # its probes run on the worker hosts: before the watcher starts
+    with Sandbox(cluster) as sandbox:
+        app = cluster_runs.run_app(cluster, kafka, "drain", w.topic, group, shared, "--partitions", "3",
+                                   "--max-per-trigger", "300", "--option", "readMode=driver",
+                                   "--option", f"trackerPort={TRACKER_PORT}",
+                                   "--fail-first-attempt", "1", "--crash-after-write", "2",
+                                   "--conf", f"spark.driver.port={DRIVER_PORT}",
+                                   "--conf", f"spark.driver.blockManager.port={BLOCK_MANAGER_PORT}",
+                                   "--conf", "spark.excludeOnFailure.enabled=true",
+                                   "--conf", "spark.excludeOnFailure.task.maxTaskAttemptsPerNode=1")
+        res = cluster_runs.result(app, shared, 600)
+        assert not sandbox.reaches_tracker_port("w1"), "the sandbox let a worker host reach the tracker's port"
+    assert res["error"] is None, res["error"]
+    assert sandbox.ended == [], f"readMode=driver started processes on the executors: {sandbox.ended}"
+    assert {h: ours_on(cluster, h) - before[h] for h in workers} == {h: set() for h in workers}
+    rows = cluster_runs.written(shared)
+    crashed = [r for r in rows if r["run"] == 0 and r["batch"] == 2]
+    assert crashed, "the crash after the write never happened"
+    again = {i for i, r in zip(ids_of(rows), rows) if r["run"] == 1 and r["deliveryCount"] >= 2}
+    assert set(ids_of(crashed)) <= again, "records of the batch that failed after its write did not come back"
+    report = check_no_loss(ids, ids_of(rows), duplicates_reason="batch 2, written before its foreachBatch raised")
+    if kafka.external:  # the embedded broker hands records out again when a member joins
+        assert report.duplicates == len(crashed), report
+    retried = [n for n in os.listdir(os.path.join(shared, "attempts")) if n.endswith("-1")]
+    assert retried, "Spark retried no task"
+    # Both actions of every batch (a count, then the write, no persist) saw the same rows, the retried one too.
+    cluster_runs.counts_match_writes(res, [r for r in rows if not (r["run"] == 0 and r["batch"] == 2)])
+    print(f"readMode=driver, sandboxed executors: {len(ids)} records, {report.duplicates} written twice "
+          f"(batch 2's {len(crashed)}), {len(retried)} task(s) retried on another host")
+
+
+def test_executors_mode_in_the_sandbox_fails_promptly_naming_driver_mode(namespace_cluster, kafka):
+    """readMode=executors needs what the sandbox forbids: the query fails (never hangs, never reads a record
+    it could not acknowledge) with an error that says why and names readMode=driver."""
+    cluster = namespace_cluster
+    w = Workload(kafka, "forbidden", partitions=3)
+    w.produce(300)
+    group = kafka.group(gid())
+    shared = os.path.join(cluster.shared, f"forbidden-{gid()}")
+    cluster.forward(kafka.bootstrap_servers)
+    with Sandbox(cluster) as sandbox:
+        app = cluster_runs.run_app(cluster, kafka, "drain", w.topic, group, shared, "--partitions", "3",
+                                   "--option", "readMode=executors", "--option", f"trackerPort={TRACKER_PORT}",
+                                   "--conf", f"spark.driver.port={DRIVER_PORT}",
+                                   "--conf", f"spark.driver.blockManager.port={BLOCK_MANAGER_PORT}")
+        res = cluster_runs.result(app, shared, 300)
+    assert res["error"] and "readMode=driver" in res["error"], res["error"]
+    assert any("spark_share.executor.agent" in e for e in sandbox.ended), sandbox.ended
+    assert not cluster_runs.written(shared), "rows reached the sink from a query that cannot acknowledge them"
+    # From the query's start (the driver program marks it) to its result.
+    failed_after = os.path.getmtime(os.path.join(shared, "result.json")) - os.path.getmtime(os.path.join(shared, "running"))
+    print(f"readMode=executors in the sandbox: failed {failed_after:.1f} s after the query started: {res['error'][:400]}")
+    assert failed_after < 30, f"the query took {failed_after:.0f} s to fail"
