@@ -1,7 +1,10 @@
 """readMode=driver beside readMode=executors and a raw share-consumer loop, measured side by side in one run.
 
-    .venv/bin/python benchmarks/read_modes.py [--records 1000000] [--partitions 8] [--locks 2000,10000] [--out out]
+    .venv/bin/python benchmarks/read_modes.py --records 200000 --ceiling-records 30000,3000 --out out   # embedded
     .venv/bin/python benchmarks/read_modes.py --bootstrap-servers broker:9092 [--kafka-option K=V ...]   # your cluster
+
+The embedded broker keeps about 5 MB a partition and drops older records: 1M records of 100 B on 8 partitions
+(the default, for a real Kafka) would lose some there, and a run would wait for them forever.
 
 For each record-lock limit (the broker's group.share.partition.max.record.locks; set on the embedded broker,
 a cluster of yours keeps its own): a raw loop (one share consumer per partition, ACCEPT per record), then an
@@ -79,7 +82,8 @@ def main(argv=None) -> int:
     ap.add_argument("--value-bytes", type=int, default=100)
     ap.add_argument("--locks", default="2000,10000", help="record-lock limits to run at, comma-separated")
     ap.add_argument("--ceiling-records", default="200000,20000",
-                    help="records of the 1 KB and the 10 KB ceiling runs (readMode=driver)")
+                    help="records of the 1 KB and the 10 KB ceiling runs (readMode=driver); the embedded broker keeps "
+                    "about 5 MB a partition (older records are dropped): 30000,3000 there")
     ap.add_argument("--out", default="read-modes-out")
     ap.add_argument("--bootstrap-servers", help="a Kafka >= 4.2 cluster of yours instead of the embedded broker")
     ap.add_argument("--kafka-option", action="append", default=[], metavar="K=V",
@@ -110,18 +114,26 @@ def main(argv=None) -> int:
                "cpu_per_m": raw["cpu"] / raw["records"] * 1e6}
         print(json.dumps(row), flush=True)
         results["runs"].append(row)
+        save(results, args.out)
         for mode in ("executors", "driver"):
             row = mode_run(spark, args, mode, locks, args.records, args.value_bytes, tmp)
             print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
             results["runs"].append(row)
-    for value_bytes, n in zip((1000, 10_000), (int(x) for x in args.ceiling_records.split(","))):
+            save(results, args.out)
+    for value_bytes, n in zip((1000, 10_000), (int(x) for x in args.ceiling_records.split(",") if x)):
         row = mode_run(spark, args, "driver", 10_000, n, value_bytes, tmp)
         print("ceiling", json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
         results["ceiling"].append(row)
+        save(results, args.out)
     spark.stop()
-    json.dump(results, open(os.path.join(args.out, "results.json"), "w"), indent=1)
     print(table(results))
     return 0
+
+
+def save(results: dict, out: str) -> None:
+    """results.json after every run: a run that fails later keeps what was measured."""
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
 
 
 def table(results: dict) -> str:
