@@ -140,6 +140,14 @@ def main(argv: list[str]) -> int:
     samples: list[dict] = []
     done = threading.Event()
 
+    def executors() -> int:
+        """Executors the application has now (its block managers, the driver's aside): dynamic allocation
+        removes and adds them."""
+        try:
+            return int(spark.sparkContext._jsc.sc().getExecutorMemoryStatus().size()) - 1
+        except Exception:  # the context is stopping
+            return -1
+
     def sample():
         while not done.wait(0.5):
             try:
@@ -151,7 +159,7 @@ def main(argv: list[str]) -> int:
                             "expired": st["expired"], "batch": st["batch"], "relayed": st.get("relayed"),
                             "acquired": {b.get("sparkBatch", b["batch"]): b["acquired"] for b in st["batches"]},
                             "members": st.get("members"), "memberLimit": st.get("memberLimit"),
-                            "membersRefused": st.get("membersRefused")})
+                            "membersRefused": st.get("membersRefused"), "executors": executors()})
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()

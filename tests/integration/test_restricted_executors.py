@@ -9,11 +9,13 @@ what serverless compute, standard access mode and Kubernetes forbid user code on
   that left its parent (a detached process) other than the harness's relays and probes. A container torn
   down at the earliest.
 - (c) A /tmp of its own on every host (as the cluster always has), in which nothing of spark-share appears.
+- (d) Dynamic allocation: executors removed after a second idle and added again as batches come.
 
 Under them, a drain with a task that fails once and is retried on another host, and a foreachBatch that
 raises after its write (the query restarted from its checkpoint): every record read, none lost, the watcher
-never had anything to end, no file of ours on the worker hosts. Not emulated here: a read-only root file
-system, dynamic allocation and the user's process in another mount namespace (docs/deploy.md says so).
+never had anything to end, no file of ours on the worker hosts. readMode=executors under (a) and (b) fails
+within 30 s naming readMode=driver. Not emulated here: a read-only root file system and the user's process in
+another mount namespace (README, "Where it runs").
 
 Needs root, socat and iptables (./dev test installs them when it runs as root); without them the test skips,
 naming what is missing.
@@ -139,7 +141,13 @@ def test_driver_mode_reads_everything_on_executors_that_may_run_nothing_of_ours(
                                    "--conf", f"spark.driver.port={DRIVER_PORT}",
                                    "--conf", f"spark.driver.blockManager.port={BLOCK_MANAGER_PORT}",
                                    "--conf", "spark.excludeOnFailure.enabled=true",
-                                   "--conf", "spark.excludeOnFailure.task.maxTaskAttemptsPerNode=1")
+                                   "--conf", "spark.excludeOnFailure.task.maxTaskAttemptsPerNode=1",
+                                   # (d) executors removed once idle for a second and added again as batches come
+                                   "--conf", "spark.dynamicAllocation.enabled=true",
+                                   "--conf", "spark.dynamicAllocation.shuffleTracking.enabled=true",
+                                   "--conf", "spark.dynamicAllocation.executorIdleTimeout=1s",
+                                   "--conf", "spark.dynamicAllocation.minExecutors=0",
+                                   "--conf", "spark.dynamicAllocation.initialExecutors=1")
         res = cluster_runs.result(app, shared, 600)
         assert not sandbox.reaches_tracker_port("w1"), "the sandbox let a worker host reach the tracker's port"
     assert res["error"] is None, res["error"]
@@ -155,10 +163,14 @@ def test_driver_mode_reads_everything_on_executors_that_may_run_nothing_of_ours(
         assert report.duplicates == len(crashed), report
     retried = [n for n in os.listdir(os.path.join(shared, "attempts")) if n.endswith("-1")]
     assert retried, "Spark retried no task"
+    executors = [s["executors"] for s in res["samples"] if s.get("executors", -1) >= 0]
+    went = sum(1 for a, b in zip(executors, executors[1:]) if b < a)
+    assert went and max(executors) > min(executors), f"dynamic allocation removed no executor: {executors}"
     # Both actions of every batch (a count, then the write, no persist) saw the same rows, the retried one too.
     cluster_runs.counts_match_writes(res, [r for r in rows if not (r["run"] == 0 and r["batch"] == 2)])
     print(f"readMode=driver, sandboxed executors: {len(ids)} records, {report.duplicates} written twice "
-          f"(batch 2's {len(crashed)}), {len(retried)} task(s) retried on another host")
+          f"(batch 2's {len(crashed)}), {len(retried)} task(s) retried on another host; executors over the run "
+          f"{executors} ({went} removals)")
 
 
 def test_executors_mode_in_the_sandbox_fails_promptly_naming_driver_mode(namespace_cluster, kafka):
