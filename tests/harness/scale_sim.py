@@ -199,23 +199,37 @@ class Members:
 
 class Hold:
     """A burst's start: the tracker stopped until ``until`` (``time.monotonic()``, the clock every process
-    of this machine shares). What an agent sends before then is stamped as sent then: the tracker times
-    its answer from the stamp, so its figures are its queueing and work from the moment it resumes."""
+    of this machine shares), and longer if not every reading agent has sent its first claim by then (a
+    busy machine starts the reads' threads late). What an agent sends while it is stopped is stamped as
+    sent at ``until`` (or later, when sent later): the tracker times its answer from the stamp, so its
+    figures are its queueing and work from the moment it resumes."""
 
     def __init__(self):
-        self.lock = threading.Lock()
+        self.lock = threading.Condition()
         self.until = 0.0
+        self.stopped = False
         self.queued = 0  # messages sent while the tracker was stopped
 
     def begin(self, until: float) -> None:
         with self.lock:
-            self.until, self.queued = until, 0
+            self.until, self.queued, self.stopped = until, 0, True
+
+    def wait_queued(self, n: int, timeout: float) -> None:
+        """Until ``until`` has passed and ``n`` messages wait (bounded by ``timeout`` beyond ``until``)."""
+        threading.Event().wait(max(0.0, self.until - time.monotonic()))  # the burst's length, as asked
+        with self.lock:
+            self.lock.wait_for(lambda: self.queued >= n, timeout)
+
+    def end(self) -> None:
+        with self.lock:
+            self.stopped = False
 
     def stamp(self, now: float) -> float:
         with self.lock:
-            if now < self.until:
+            if self.stopped:
                 self.queued += 1
-                return self.until
+                self.lock.notify_all()
+                return max(self.until, now)
         return now
 
 
@@ -389,10 +403,11 @@ def agents_main(args) -> None:
             os.kill(first["pid"], signal.SIGSTOP)
         try:
             futs = [workers.submit(agents[a].read, b, s) for (b, s, _), a in zip(slots, placed)]
-            if args.hold_s:  # the burst's length: what is measured, not a synchronisation
-                threading.Event().wait(max(0.0, hold.until - time.monotonic()))
+            if args.hold_s:  # the burst: at least hold_s, and every reading agent's first claim in it
+                hold.wait_queued(reading, timeout=30)
         finally:
             if args.hold_s:
+                hold.end()
                 os.kill(first["pid"], signal.SIGCONT)
         queued = hold.queued
         wait_futures(futs, timeout=600)

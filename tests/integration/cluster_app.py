@@ -44,6 +44,8 @@ def main(argv: list[str]) -> int:
                     help="the first attempt to see a row in each batch's count sleeps this long (speculation)")
     ap.add_argument("--fail-first-attempt", type=int, default=None, metavar="BATCH",
                     help="the first attempt to see a row in this batch's count fails (a task retry)")
+    ap.add_argument("--await-executor-removal-after", type=int, default=None, metavar="BATCH",
+                    help="after writing this batch, wait (at most 60 s) until dynamic allocation removed an executor")
     ap.add_argument("--run", type=int, default=0, help="the run's number in its rows (a query restarted elsewhere)")
     ap.add_argument("--crash-after-write", type=int, default=None, metavar="BATCH",
                     help="foreachBatch raises after writing this batch, once; the query restarts from its checkpoint")
@@ -65,6 +67,14 @@ def main(argv: list[str]) -> int:
     spark_share.register(spark)
     out = os.path.join(args.shared, "out")
     batches: list[dict] = []
+
+    def executors() -> int:
+        """Executors the application has now (its block managers, the driver's aside): dynamic allocation
+        removes and adds them."""
+        try:
+            return int(spark.sparkContext._jsc.sc().getExecutorMemoryStatus().size()) - 1
+        except Exception:  # the context is stopping
+            return -1
 
     seen_path = os.path.join(args.shared, "batches.jsonl")
 
@@ -122,7 +132,13 @@ def main(argv: list[str]) -> int:
         if batch_id == args.crash_after_write and not os.path.exists(crashed):
             open(crashed, "w").close()
             raise RuntimeError(f"foreachBatch fails after writing batch {batch_id} (cluster test)")
-        batches.append({"batch": batch_id, "count": n, "t": time.time(), "run": run["n"]})
+        seen = {"batch": batch_id, "count": n, "t": time.time(), "run": run["n"]}
+        if batch_id == args.await_executor_removal_after and "executorsBefore" not in str(batches):
+            before, deadline = executors(), time.monotonic() + 60
+            while executors() >= before and time.monotonic() < deadline:
+                time.sleep(0.2)  # a bounded wait until the idle executors are removed
+            seen.update(executorsBefore=before, executorsAfter=executors())
+        batches.append(seen)
         with open(seen_path, "a") as f:  # the test follows the stream here
             f.write(json.dumps(batches[-1]) + "\n")
 
@@ -139,14 +155,6 @@ def main(argv: list[str]) -> int:
 
     samples: list[dict] = []
     done = threading.Event()
-
-    def executors() -> int:
-        """Executors the application has now (its block managers, the driver's aside): dynamic allocation
-        removes and adds them."""
-        try:
-            return int(spark.sparkContext._jsc.sc().getExecutorMemoryStatus().size()) - 1
-        except Exception:  # the context is stopping
-            return -1
 
     def sample():
         while not done.wait(0.5):
