@@ -69,7 +69,7 @@ class DriverReads:
         batch, gets its cached rows), and cut into partitions."""
         agent = self._agent.result(timeout=120)
         with self._lock:
-            if self._pool is None or self._pool._max_workers < len(budgets):
+            if self._pool is None:  # a run's slots only shrink (a group refusing members): the first count holds
                 self._pool = ThreadPoolExecutor(max(len(budgets), 1), thread_name_prefix="spark-share-read")
             pool = self._pool
         reads = [pool.submit(agent.read_slot, batch, slot, budget, self._opts.poll_timeout_ms, None, None)

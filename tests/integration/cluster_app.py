@@ -133,7 +133,8 @@ def main(argv: list[str]) -> int:
             open(crashed, "w").close()
             raise RuntimeError(f"foreachBatch fails after writing batch {batch_id} (cluster test)")
         seen = {"batch": batch_id, "count": n, "t": time.time(), "run": run["n"]}
-        if batch_id == args.await_executor_removal_after and "executorsBefore" not in str(batches):
+        if batch_id == args.await_executor_removal_after and not run.get("awaited_removal"):
+            run["awaited_removal"] = True
             before, deadline = executors(), time.monotonic() + 60
             while executors() >= before and time.monotonic() < deadline:
                 time.sleep(0.2)  # a bounded wait until the idle executors are removed
