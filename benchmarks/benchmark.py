@@ -193,12 +193,13 @@ def _batch_end(p) -> float:
 
 def share_stream(spark, kafka, topic, group=None, **options):
     """readStream.format("kafka-share") on ``kafka`` (its client options as kafka.*), the group set
-    to start at the earliest record."""
+    to start at the earliest record; readMode=executors, as the figures quoted from here were measured,
+    unless ``readMode`` is given (benchmarks/read_modes.py compares the two)."""
     group = kafka.group(group or f"share-{uuid.uuid4().hex[:6]}")
     r = spark.readStream.format("kafka-share").option("kafka.group.id", group).option("subscribe", topic)
     for k, v in kafka.client().items():
         r = r.option("kafka." + k, v)
-    for k, v in options.items():
+    for k, v in {"readMode": "executors", **options}.items():
         if v is not None:  # numPartitions=None: the source's default
             r = r.option(k, str(v))
     return r

@@ -41,6 +41,7 @@ def driver(args) -> int:
     t0 = time.time()
     q = (spark.readStream.format("kafka-share").option("kafka.bootstrap.servers", args.bootstrap)
          .option("kafka.group.id", args.group).option("subscribe", args.topic)
+         .option("readMode", "executors")  # the agents on each worker host are what it measures
          .option("numPartitions", str(args.slots)).load()
          .writeStream.format("noop").option("checkpointLocation", os.path.join(args.out, f"ck-{uuid.uuid4().hex}"))
          .trigger(availableNow=True).start())

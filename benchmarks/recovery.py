@@ -69,7 +69,7 @@ def share_drain(spark, kafka, topic: str, group: str, slots: int, newer: set, tm
     r = spark.readStream.format("kafka-share").option("kafka.group.id", group).option("subscribe", topic)
     for k, v in kafka.client().items():
         r = r.option("kafka." + k, v)
-    r = r.option("numPartitions", str(slots))
+    r = r.option("numPartitions", str(slots)).option("readMode", "executors")  # as its figures were measured
     started = time.monotonic()
     q = spark_share.drain(r.load().writeStream.foreachBatch(collect)
                           .option("checkpointLocation", os.path.join(tmp, uuid.uuid4().hex)))

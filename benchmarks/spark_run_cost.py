@@ -61,7 +61,7 @@ def main(argv=None) -> int:
                 r = spark.readStream.format("rate").option("rowsPerSecond", 10)
             else:
                 r = (spark.readStream.format("kafka-share").option("kafka.bootstrap.servers", kafka.bootstrap_servers)
-                     .option("kafka.group.id", "g").option("subscribe", "t"))
+                     .option("kafka.group.id", "g").option("subscribe", "t").option("readMode", "executors"))
             q = (r.load().writeStream.foreachBatch(lambda df, _b: df.count()).option("checkpointLocation", ckpt)
                  .trigger(processingTime="1 second").start())
             first = q.lastProgress["batchId"] if q.lastProgress else -1

@@ -26,8 +26,9 @@ import sys
 import tempfile
 import threading
 import time
+from types import SimpleNamespace
 
-from spark_share.transport import tls, wire
+from spark_share.transport import endpoints, tls, wire
 
 BASELINE = "3639409"  # the last commit with a reader thread per connection and a thread per handshake
 SECRET = wire.new_secret()
@@ -125,7 +126,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="the channels take turns this many times")
     p.add_argument("--peers", type=int, default=200, help="idle connections held open to count threads")
     args = p.parse_args(argv)
-    channels = {"old": load_old_wire(), "loop": wire}
+    # today the server and connect() live in endpoints.py, beside wire.py
+    channels = {"old": load_old_wire(), "loop": SimpleNamespace(RpcServer=endpoints.RpcServer, connect=endpoints.connect)}
     samples: dict[tuple[str, str], dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):

@@ -170,13 +170,15 @@ OPTIONS: tuple[Option, ...] = (
     Option("trackerPort", "tracker_ports", "0", port_range,
            "the port (`40100`) or port range (`40100-40199`) where the driver side listens for the "
            "executors' agents, for firewalled clusters; `0`: any free port"),
-    Option("readMode", "read_mode", "executors", choice("executors", "driver"),
-           "where the share consumers run. `executors`: an agent process of spark-share on each executor host "
-           "acquires the records its read tasks return (needs executors that may start a process, open a Unix "
-           "socket under their local dirs and reach `trackerPort` on the driver). `driver`: the consumers run "
-           "beside Spark's driver, a batch's records are acquired as Spark plans it and travel to the read "
-           "tasks inside their task payloads: executors run nothing of spark-share's but Arrow decoding "
-           "(serverless, standard access mode, Kubernetes, dynamic allocation). See docs/performance.md"),
+    Option("readMode", "read_mode", "driver", choice("driver", "executors"),
+           "where the share consumers run. `driver` (the default): the consumers run beside Spark's driver, a "
+           "batch's records are acquired as Spark plans it and travel to the read tasks inside their task "
+           "payloads: executors run nothing of spark-share's but Arrow decoding, so it runs wherever Spark "
+           "does (serverless, standard access mode, Kubernetes, dynamic allocation). `executors`: an agent "
+           "process of spark-share on each executor host acquires the records its read tasks return, so "
+           "reading scales past one driver's network and CPU (needs executors that may start a process that "
+           "outlives a task, open a Unix socket in /tmp and reach `trackerPort` on the driver). See "
+           "docs/performance.md"),
 )
 _BY_NAME = {o.name.lower(): o for o in OPTIONS}
 

@@ -2,8 +2,8 @@
 
 Lives in the reader's runner process (``python_streaming_source_runner``), started lazily by
 the reader. Owns: the per-query secret, the TCP server agents and the user's process connect
-to (one ``_on_<message>`` handler per request it receives), acknowledging a batch once Spark
-committed it, the progress it reports, and the stop. It keeps the batches in the ledger
+to (what it answers them is ``requests``'), acknowledging a batch once Spark committed it, and the
+stop; the progress it reports is ``reports``'. It keeps the batches in the ledger
 (``ledger``), the agents in the roster (``roster``), and the registry entries through which the
 user's process (foreachBatch, the listener) finds it in ``registration``; it asks the policy
 (``policy``) whether a batch runs and how big, the watermark thread (``watermarks``) whether
@@ -25,43 +25,24 @@ import threading
 import time
 import uuid
 from collections import Counter
-from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 
 from .. import runtime
 from ..acknowledgement import ACCEPT, RELEASE
 from ..deadletter_target import check_target
 from ..errors import SourceError
-from ..options import ShareSourceOptions, scrub
+from ..options import ShareSourceOptions
 from ..spark_versions import available_now_refusal
 from ..transport import wire
-from ..transport.protocol import (
-    BUNDLED,
-    TO_TRACKER,
-    Acquired,
-    Bundle,
-    Claim,
-    Committed,
-    Drain,
-    Fetch,
-    Hello,
-    Member,
-    More,
-    Status,
-    Trim,
-    Verdicts,
-    call_async,
-    dispatcher,
-)
-from . import backlog
+from ..transport.protocol import Trim, call_async
 from .acks import AGENT_LOST, Acknowledger
-from .agents import AgentRoster, agent_of, one_host
+from .agents import AgentRoster, one_host
 from .batches import ACKING, FINISHED, VOID, BatchState
 from .commitlog import CommitLog
+from .drain_policy import AVAILABLE_NOW_UNRESOLVED_S
 from .ledger import BatchLedger
 from .members import IDLE_BATCHES, MemberBook
 from .policy import (
-    AVAILABLE_NOW_UNRESOLVED_S,
     DEFAULT_RECORD_LOCKS,
     PARALLELISM_ENV,
     BatchPolicy,
@@ -69,18 +50,16 @@ from .policy import (
     task_slots,
 )
 from .registration import Registration
+from .reports import TrackerReports
+from .requests import TrackerRequests
 from .watermarks import MetadataWatcher
 
 log = logging.getLogger("spark_share.driver.tracker")
 
 __all__ = ["Tracker", "AGENT_LOST", "one_host"]
 
-# A read lent at the members' cap finds the consumer it was lent to taken by a read of that host that claimed
-# after it: it is lent on, this many times at most (the book of free consumers is right again by then).
-MAX_LENDS = 3
 TRIM_TIMEOUT_S = 15.0  # an agent asked to close idle members answers within this
 SHUTDOWN_WAIT_S = 10.0  # a stop waits this long at most for acknowledgements under way, then for agents
-BACKLOG_LOG_S = 60.0  # the backlog estimate's INFO line, at most this often
 
 
 def _bind_host(read_mode: str) -> str:
@@ -97,19 +76,7 @@ def _bind_host(read_mode: str) -> str:
     return "127.0.0.1"
 
 
-def _on_the_loop(header: dict) -> bool:
-    """The requests every read sends (two or three per slot and batch: thousands at scale), alone or bundled, are
-    handled on the wire's loop, not handed to a thread: each takes the ledger's lock briefly and waits on
-    no peer. A read that needs another agent to give up a member waits for it (``Member``): that goes to
-    a thread."""
-    return header.get("op") in BUNDLED or header.get("op") == Bundle.op
-
-
-def _port_text(ports: tuple[int, int]) -> str:
-    return str(ports[0]) if ports[0] == ports[1] else f"{ports[0]}-{ports[1]}"
-
-
-class Tracker:
+class Tracker(TrackerRequests, TrackerReports):
     def __init__(self, opts: ShareSourceOptions):
         self.opts = opts
         self.tracker_id = uuid.uuid4().hex[:16]
@@ -216,138 +183,6 @@ class Tracker:
     @property
     def total_acquired(self) -> int:
         return self.ledger.total_acquired
-
-    # requests from agents and the user's process ----------------------------------------
-    def _listen(self, host: str) -> wire.RpcServer:
-        """Listen for agents on ``host``, on a port of the option 'trackerPort' (any free one by default)."""
-        first, last = self.opts.tracker_ports
-        error: OSError | None = None
-        for port in range(first, last + 1):
-            try:
-                return wire.RpcServer((host, port), self.secret, dispatcher(self, TO_TRACKER), name="tracker",
-                                      on_close=lambda conn: self.roster.left(conn, self.ledger.stopping),
-                                      scrub=lambda s: scrub(s, self._secrets), inline=_on_the_loop)
-            except OSError as e:  # taken: try the next one
-                error = e
-        raise SourceError(f"option 'trackerPort' = {_port_text(self.opts.tracker_ports)!r}: no port of it is free on "
-                          f"{host} ({error}); give a wider range, or 0 for any free port")
-
-    def _on_hello(self, conn: wire.RpcConnection, m: Hello) -> dict:
-        return self.roster.joined(conn, m, self.ledger.latest())
-
-    def _on_claim(self, conn: wire.RpcConnection, m: Claim) -> dict:
-        agent_id = agent_of(conn)
-        self._serve_query(m.query_id)
-        if self.refusal:
-            raise SourceError(self.refusal)
-        owner = self.ledger.claim(m, agent_id, self.agents)
-        if owner is None:
-            return {"owner": None}
-        if owner == agent_id:
-            with self.ledger.lock:
-                self.members.claimed(agent_id, m.batch, m.slot)
-        return {"owner": owner, "carry_ms": self.policy.carry_ms, "max_records": self.ledger.granted(m.batch, m.slot)}
-
-    def _on_member(self, conn: wire.RpcConnection, m: Member) -> dict:
-        """A read of (batch, slot) finds no free consumer on its host: it opens one within the cap; at the cap,
-        an agent with a consumer free in this batch reads the slot for it (``relay``: the rows come through
-        here, ``Fetch``); else the slot reads nothing."""
-        agent_id = agent_of(conn)
-        with self.ledger.lock:
-            if self.members.may_open(agent_id, m.batch, m.slot):
-                return {"open": True}
-            helper = self.members.lend(agent_id, m.batch, m.slot) if m.lent < MAX_LENDS else None
-            if helper is not None and helper in self.agents and self.ledger.reassign(m.batch, m.slot, helper):
-                return {"open": False, "relay": helper}
-        log.warning("batch %d slot %d: agent %s has no free share consumer and the query has its %d members elsewhere, "
-                    "all in use: the slot reads nothing", m.batch, m.slot, agent_id, self.members.cap)
-        return {"open": False}
-
-    def _on_more(self, conn: wire.RpcConnection, m: More) -> dict:
-        """A read polled more than its claim granted: how many more it may hand out in this batch."""
-        return {"more": self.ledger.more(m.batch, m.slot, m.want, agent_of(conn))}
-
-    def _on_acquired(self, conn: wire.RpcConnection, m: Acquired) -> dict:
-        agent_id = agent_of(conn)
-        self.ledger.acquired(m, agent_id)
-        with self.ledger.lock:
-            if m.refused:
-                self._member_refused(agent_id, m)
-            else:
-                self.members.read(agent_id, m.batch, m.slot, m.session, m.opened)
-        return {"ok": True}
-
-    def _member_refused(self, agent_id: str, m: Acquired) -> None:
-        """The group refused a member of this query (group.share.max.size). It reads on with the members
-        the group admitted (fewer slots from the next batch on), or fails if it admitted none. Call
-        with the ledger's lock held."""
-        before = self.members.cap
-        group = self.opts.group_id
-        if not self.members.refuse(agent_id, m.batch, m.slot):
-            if not self.failure:
-                self.failure = (f"share group {group!r} refused this query's share consumers: it has reached the "
-                                "broker's group.share.max.size (the most members a share group may have; 200 by "
-                                f"default). The query asked for {self.members.wanted} (numPartitions) and the group "
-                                "admitted none: other consumers of the group hold every place. Raise "
-                                "group.share.max.size on the brokers, or stop the group's other consumers")
-                log.error("spark-share tracker %s: %s", self.tracker_id, self.failure)
-            return
-        self.policy.num_slots = min(self.policy.num_slots, self.members.cap)
-        if self.members.cap < before:
-            log.warning("spark-share tracker %s: share group %r refused a share consumer: it has reached the broker's "
-                        "group.share.max.size (the most members a share group may have; 200 by default). The query "
-                        "asked for %d (numPartitions) and reads on with the %d the group admitted, %d read tasks a "
-                        "batch from now on. Raise group.share.max.size on the brokers, or lower numPartitions (other "
-                        "consumers of the group count towards the limit too)", self.tracker_id, group,
-                        self.members.wanted, self.members.cap, self.policy.num_slots)
-
-    def _on_fetch(self, conn: wire.RpcConnection, m: Fetch) -> Future:
-        with self.ledger.lock:
-            owner = self.ledger.batches[m.batch].claims.get(m.slot)
-        return self.roster.relay(m, owner)
-
-    def _on_committed(self, conn: wire.RpcConnection, m: Committed) -> dict:
-        self._serve_query(m.query_id)  # when the reads did not carry it (foreachBatch under Connect)
-        upto = m.source_batch if m.source_batch is not None else self.ledger.source_batch_of(m.spark_batch)
-        if upto is not None:
-            self.batch_committed(upto, wait=True)
-        return {"ok": True}
-
-    def _on_verdicts(self, conn: wire.RpcConnection, m: Verdicts, blob) -> dict:
-        if m.query_id is not None and self.query_id not in (None, m.query_id):
-            return {"match": False}  # the user's process asks every tracker of its host: another query's
-        rep = self.ledger.record_verdicts(m, blob, ours=m.query_id is None or m.query_id == self.query_id)
-        if rep.get("match") and m.query_id is not None and m.part == 0:
-            self._serve_query(m.query_id)  # readMode=driver: no read task told it which query it serves
-        return rep
-
-    def _on_status(self, conn: wire.RpcConnection, m: Status) -> dict:
-        return self.status()
-
-    def _on_drain(self, conn: wire.RpcConnection, m: Drain) -> dict:
-        self._serve_query(m.query_id)
-        missing = [tp for tp in self.metadata.partitions if tp not in self.start_high]
-        if missing and self.policy.available_now_target is None:
-            # Their leaders did not answer when the run started: their watermarks as of now, then.
-            self.start_high.update({tp: v for tp, v in self.metadata.complete_high().items() if tp in missing})
-        with self.ledger.lock:
-            if self.policy.available_now_target is None:
-                # From now on the batches run as under Trigger.AvailableNow, towards what was queued
-                # when this run started (the batches so far count: their records are seen).
-                self.policy.start_available_now(self.start_high)
-                log.info("spark-share tracker %s drains what was queued when it started, then plans no batch",
-                         self.tracker_id)
-            settled = all(b.state in FINISHED for b in self.batches.values())
-            latest = self.batches[max(self.batches)] if self.batches else None
-            if settled and latest is not None and latest.batch != self._drain_decided and not self.policy.finished:
-                # Every batch is acknowledged: decide now, once per batch, whether the drain goes on,
-                # rather than at the next latestOffset (the listener asks again only at the next event).
-                self._drain_decided = latest.batch
-                self._decide(latest)
-            # Done once the run plans nothing more (or only its last batch, which reads nothing) and
-            # every batch is acknowledged.
-            drained = settled and (self.policy.finished or self.policy.closing)
-        return {"drained": drained}
 
     @property
     def query_id(self) -> str | None:
@@ -485,51 +320,6 @@ class Tracker:
             asked = [(a, self.agents.get(a)) for a in self.members.idle(b.batch, idle_s)]
         wait_futures([self._trim(a, conn, Trim(b.batch - IDLE_BATCHES + 1, idle_s)) for a, conn in asked if conn],
                      timeout=TRIM_TIMEOUT_S)
-
-    # progress -----------------------------------------------------------------------------
-    def _estimate_backlog(self) -> None:
-        """After a watermark refresh (the watermark thread): the backlog estimate that progress and
-        status() report, and its log line once a minute."""
-        metadata = getattr(self, "metadata", None)  # None while its constructor runs
-        if metadata is None:
-            return
-        self.backlog = view = backlog.estimate(metadata.high, self.policy.max_seen, backlog.in_flight(self.ledger.held()))
-        now = time.monotonic()
-        if now - self._backlog_logged >= BACKLOG_LOG_S:
-            self._backlog_logged = now
-            log.info("%s", backlog.line(view))
-
-    def progress(self, hosts: int = 20) -> dict:
-        """The counters of each progress report (Spark logs it): bounded whatever the partitions and hosts."""
-        ledger = self.ledger.progress()
-        with self.ledger.lock:
-            members = self.members.view(top=hosts)
-        last = ledger.pop("lastAcked")
-        return {"v": 1, "tracker": self.tracker_id, "batch": ledger.pop("batch"),
-                "inflightRecords": ledger.pop("inflightRecords"), "agents": len(self.agents),
-                "maxRecordsPerConsumer": self.policy.lock_safe_records, "lockBudget": self.policy.lock_budget,
-                "lockDurationMs": self.policy.lock_ms,
-                "lockHeadroomMs": self.policy.headroom_ms(last.get("holdMs") if last else None),
-                **ledger, "relayed": {"reads": self.roster.relays, "bytes": self.roster.relayed_bytes},
-                "lastAcked": last, "backlogEstimate": self.backlog.get("backlogEstimate"),
-                "backlogTop": backlog.top(self.backlog), **members}
-
-    def status(self) -> dict:
-        out = self.progress(hosts=1 << 30)
-        out["query"] = self.query_id
-        out["backlog"] = self.backlog.get("partitions")
-        view = self.ledger.status()
-        out["batches"], out["sessions"] = view["batches"], view["sessions"]
-        out["hosts"] = self.roster.hosts(view["claims"])
-        if self.policy.available_now_target is not None:
-            with self.ledger.lock:
-                unresolved = self.policy.unresolved()
-                out["drain"] = {"partitions": len(self.policy.available_now_target),
-                                "unresolved": [f"{t}-{p}" for t, p in unresolved[:20]],
-                                "unresolvedCount": len(unresolved),
-                                "leftUnread": [f"{t}-{p}" for t, p in self.policy.left_unread[:20]],
-                                "waitedForLockedRecords": self.policy.waiting_for_locks}
-        return out
 
     def _let_go_of(self, agents_closed: bool, failed_before: int) -> int | None:
         """At a stop: the last batch this run planned if it holds nothing of the group any more (every batch

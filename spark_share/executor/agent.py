@@ -1,12 +1,11 @@
 """The executor-side agent: one long-lived process per (query run, host) that owns share consumers.
 
 Owns: the share sessions of this host (which one a read polls with: ``pool``), the records each
-(batch, slot) acquired (cached as Arrow IPC until acknowledged, so every re-read of a batch sees
-the same rows), and the commands from
-the tracker (start a planned batch's polls, queue a batch's acknowledgements and report what the
-broker answered, write dead letters, hand a cached batch to another host, shut down).
-Read tasks reach it over a Unix socket that only the owner can open, authenticated with the
-per-query secret; it reaches the tracker over TCP with the same secret.
+(batch, slot) acquired (cached as Arrow IPC until acknowledged, so every re-read of a batch sees the same
+rows), and the tracker's commands (start a planned batch's polls, hand a cached batch to another host,
+shut down; its acknowledgements and dead letters are ``agent_acks``'). Read tasks reach it over a Unix
+socket only the owner can open, authenticated with the per-query secret; it reaches the tracker over TCP
+with the same secret. Under readMode=driver it runs as threads of the source runner, without its socket.
 
 Started by the first ``read()`` on a host (``launcher.ensure_agent``; in local mode by the source
 runner when the query starts), detached from the Python worker so that Spark recycling or killing
@@ -19,7 +18,6 @@ ends it releases everything and exits).
 """
 from __future__ import annotations
 
-import errno
 import gc
 import json
 import logging
@@ -29,23 +27,18 @@ import sys
 import threading
 import time
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .. import runtime
-from ..acknowledgement import ACCEPT
-from ..errors import AgentError, BatchRefused, MemberRefused, PeerConnectionError
+from ..errors import BatchRefused, MemberRefused, PeerConnectionError
 from ..options import sized
-from ..transport import wire
+from ..transport import endpoints, wire
+from ..transport.bundler import Bundler
 from ..transport.protocol import (
     TASK_TO_AGENT,
     TRACKER_TO_AGENT,
-    Ack,
-    AckResult,
     Acquired,
-    Bundler,
     Claim,
-    DeadLetter,
     Fetch,
     Hello,
     Member,
@@ -54,18 +47,17 @@ from ..transport.protocol import (
     Prefetch,
     Read,
     Shutdown,
-    Stage,
     Trim,
     call,
     dispatcher,
 )
-from ..verdict_set import VerdictSet
 from . import records
+from .agent_acks import AgentAcknowledgements, Cached
 from .pool import SessionPool, poll_budget
 from .session_stats import stats_interval_ms
 
 if TYPE_CHECKING:
-    from .session import ShareSession
+    pass
 
 log = logging.getLogger("spark_share.executor.agent")
 CLOSE_WAIT_S = 30.0  # at shutdown, for the consumers to close (their releases wait for the broker)
@@ -74,24 +66,7 @@ CONNECT_ATTEMPT_S = 2.0  # ...in attempts of this long
 MORE_TIMEOUT_S = 10.0  # a read asks the tracker how many records beyond its grant it may hand out, this long
 
 
-@dataclass
-class Cached:
-    batch: int
-    slot: int
-    session: ShareSession | None  # that holds the records; None when the poll was empty
-    ipc: Any                   # what read tasks get: an Arrow IPC stream (pyarrow Buffer)
-    rows: int                  # rows read tasks get
-    held: int                  # records the session holds for this slot (poison ones included)
-    full: object | None = None  # every record acquired, headers included: the dead-letter source
-    query_id: str | None = None
-
-
-def _redelivered(rb) -> int:
-    """Rows of a poll that the group delivered before (deliveryCount > 1)."""
-    return int((rb.column("deliveryCount").to_numpy() > 1).sum()) if rb.num_rows else 0
-
-
-class Agent:
+class Agent(AgentAcknowledgements):
     def __init__(self, tracker_addr, tracker_id: str, secret: str, consumer_config: dict[str, str],
                  producer_config: dict[str, str], secret_values: list[str], alive_fd: int | None = None,
                  serve: bool = True):
@@ -138,7 +113,7 @@ class Agent:
         self.pool.start(int(hello.get("slots", 1)))
         # Without ``serve`` (readMode=driver: this agent lives in the source runner) no read task reaches it:
         # the runner reads each slot itself as Spark plans the batch.
-        self.server = wire.RpcServer(runtime.agent_socket_path(tracker_id), secret,
+        self.server = endpoints.RpcServer(runtime.agent_socket_path(tracker_id), secret,
                                      dispatcher(self, TASK_TO_AGENT), name="agent",
                                      scrub=self._scrub) if serve else None
 
@@ -227,7 +202,7 @@ class Agent:
             session = taken
             acquired = holding.acquired if rb.num_rows else {}
             converting = time.perf_counter()
-            out, poison = self._visible(rb)
+            out, poison = records.visible(rb, self.config.get("max_delivery_count"), self.config["include_headers"])
             ipc = records.to_ipc(out)
             convert_ms = (holding.convert_s + time.perf_counter() - converting) * 1000
             # The tracker learns what this (batch, slot) holds before any row of it reaches Spark: a
@@ -236,7 +211,7 @@ class Agent:
                 self.reads.call(Acquired(
                     batch, slot, rows=rb.num_rows, session=session.session_id, acquired_at=holding.acquired_at,
                     offsets={t: {str(p): runs for p, runs in parts.items()} for t, parts in acquired.items()},
-                    poison=poison, redelivered=_redelivered(rb), spark_batch=spark_batch,
+                    poison=poison, redelivered=records.redelivered(rb), spark_batch=spark_batch,
                     members=len(self.pool), timed_out=holding.timed_out, carried=session.carrying,
                     convert_ms=round(convert_ms, 1), answered=[[t, p] for t, p in sorted(holding.answered)],
                     opened=opened),
@@ -296,49 +271,9 @@ class Agent:
             self._cache[key] = Cached(batch, slot, None, ipc, 0, 0, query_id=query_id)
         return {"rows": 0, "cached": False}, ipc
 
-    def _visible(self, rb):
-        """What Spark sees of a poll: without records past maxDeliveryCount (reported as poison,
-        rejected to the dead-letter target at commit) and without headers unless asked for."""
-        poison = []
-        limit = self.config.get("max_delivery_count")
-        if limit and rb.num_rows:
-            import pyarrow as pa
-
-            bad = rb.column("deliveryCount").to_numpy() >= limit
-            if bad.any():
-                hit = rb.filter(pa.array(bad))
-                poison = [[t, p, o, c] for t, p, o, c in zip(*(hit.column(n).to_pylist() for n in
-                                                               ("topic", "partition", "offset", "deliveryCount")))]
-                rb = rb.filter(pa.array(~bad))
-        if not self.config["include_headers"] and "headers" in rb.schema.names:
-            rb = rb.drop_columns(["headers"])
-        return rb, poison
-
     # tracker commands -----------------------------------------------------------------------
     def _on_prefetch(self, conn, m: Prefetch) -> dict:
         return {"polling": self.pool.prefetch(m.batch, m.count, m.max_records, m.poll_timeout_ms, m.carry_ms)}
-
-    def _on_stage(self, conn, m: Stage, blob) -> dict:
-        with self._lock:
-            self._staged.setdefault((m.batch, m.purpose), []).append(blob)
-        return {"staged": True}
-
-    def _staged_set(self, batch: int, purpose: str, chunks: int) -> VerdictSet:
-        """The verdict chunks staged for (batch, purpose), which came before the request that uses them."""
-        with self._lock:
-            blobs = self._staged.pop((batch, purpose), [])
-        if len(blobs) != chunks:
-            raise AgentError(f"batch {batch}: {len(blobs)} of the {chunks} verdict chunks for its {purpose} came")
-        return VerdictSet.from_chunks(blobs)
-
-    def _on_ack(self, conn, m: Ack) -> dict:
-        return self._ack(m.batch, self._staged_set(m.batch, "ack", m.staged), m.default, m.timeout_s)
-
-    def _on_ack_result(self, conn, m: AckResult) -> dict:
-        return self._ack_result(m.batch)
-
-    def _on_dead_letter(self, conn, m: DeadLetter) -> dict:
-        return self._dead_letter(m.batch, self._staged_set(m.batch, "deadletter", m.staged), m.query_id)
 
     def _on_fetch(self, conn, m: Fetch):
         with self._lock:
@@ -358,50 +293,6 @@ class Agent:
     def _on_shutdown(self, conn, m: Shutdown) -> dict:
         threading.Thread(target=self.shutdown, name="agent-shutdown", daemon=True).start()
         return {"ok": True}
-
-    def _dead_letter(self, batch: int, want: VerdictSet, query_id: str | None = None) -> dict:
-        """Write the rejected records of ``batch`` held here to the dead-letter target."""
-        from .deadletter import rejected_table
-
-        with self._lock:
-            entries = [e for (b, _), e in self._cache.items() if b == batch and e.full is not None]
-        assert self._deadletters is not None, "dead letters asked of an agent started without a target"
-        written = 0
-        for e in entries:
-            table = rejected_table(e.full, want, e.query_id or query_id, batch)
-            written += self._deadletters.write(table, batch, f"{self.tracker_id}-slot{e.slot}")
-        return {"written": written}
-
-    def _ack(self, batch: int, verdicts: VerdictSet, default: int, timeout_s: float) -> dict:
-        """Queue the acknowledgement of every slot of ``batch`` held here (``default`` unless a
-        verdict says otherwise) on the consumers that acquired them, ahead of their next poll, and
-        return: ``ack_result`` reports what the broker answered."""
-        with self._lock:
-            entries = [e for (b, _), e in self._cache.items() if b == batch]
-            futs = {}
-            for e in entries:
-                self._cache.pop((e.batch, e.slot), None)
-                if e.session is None:
-                    continue
-                if default == ACCEPT:
-                    futs[e.slot] = (e.held, e.session.acknowledge(verdicts, timeout_s))
-                else:
-                    futs[e.slot] = (e.held, e.session.release_all(timeout_s))
-                self.pool.release(e.session)  # free for the next batch: its poll queues behind this
-            self._acks[batch] = (futs, timeout_s)
-        return {"queued": len(futs)}
-
-    def _ack_result(self, batch: int) -> dict:
-        with self._lock:
-            futs, timeout_s = self._acks.pop(batch, ({}, 0.0))
-        wait_futures([f for _, f in futs.values()], timeout=timeout_s + 5)
-        out = {}
-        for slot, (held, f) in futs.items():
-            try:
-                out[str(slot)] = f.result(timeout=0).as_dict()
-            except Exception as ex:
-                out[str(slot)] = {"failed": held, "errors": {type(ex).__name__: held}}
-        return {"slots": out}
 
     # lifecycle ------------------------------------------------------------------------------
     def _tracker_lost(self) -> None:
@@ -428,7 +319,6 @@ class Agent:
         self.reads.close()
         self.done.set()
 
-
     def _leave_host(self) -> None:
         """This run's files on the host removed and the life lock let go, before the consumers finish closing
         (which waits for the broker: up to CLOSE_WAIT_S when the network is cut): a read task of the same run
@@ -442,28 +332,20 @@ class Agent:
 
 
 def _connect_tracker(tracker_addr, secret: str, inline=None, **kwargs) -> wire.RpcConnection:
-    """The connection to the query's tracker on the driver, or an error a user can act on. A cut network
-    (no answer, or no route) is waited out for CONNECT_WAIT_S, in short attempts: a single attempt would
-    wait on the kernel's backoff between its SYNs, the next one up to seconds after the network is back.
-    A refusal fails at once (nothing listens there)."""
+    """The connection to the query's tracker on the driver (a cut network waited out for CONNECT_WAIT_S, in
+    short attempts; a refusal fails at once), or an error a user can act on."""
     host, port = tracker_addr
-    deadline = time.monotonic() + CONNECT_WAIT_S
-    while True:
-        try:
-            return wire.connect((host, port), secret, inline=inline, timeout=CONNECT_ATTEMPT_S, **kwargs)
-        except OSError as e:
-            cut = isinstance(e, TimeoutError) or e.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH)
-            if cut and time.monotonic() < deadline:
-                if not isinstance(e, TimeoutError):
-                    time.sleep(CONNECT_ATTEMPT_S / 4)  # no route yet: a bounded pause before the next attempt
-                continue
-            shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-            raise PeerConnectionError(
-                f"executor {socket.gethostname()} cannot reach the spark-share tracker on the driver at {shown} "
-                f"({type(e).__name__}: {e}). Executors must reach the driver on this address and port: set "
-                "spark.driver.host (or SPARK_SHARE_BIND_HOST on the driver) to an address they can reach, and the "
-                "source option 'trackerPort' to a port or range your firewall opens; where executors may reach no "
-                "port of the driver but Spark's own (serverless, standard access mode), use readMode=driver") from None
+    try:
+        return endpoints.connect_patiently((host, port), secret, CONNECT_WAIT_S, CONNECT_ATTEMPT_S, inline=inline,
+                                           **kwargs)
+    except OSError as e:
+        shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        raise PeerConnectionError(
+            f"executor {socket.gethostname()} cannot reach the spark-share tracker on the driver at {shown} "
+            f"({type(e).__name__}: {e}). Executors must reach the driver on this address and port: set "
+            "spark.driver.host (or SPARK_SHARE_BIND_HOST on the driver) to an address they can reach, and the "
+            "source option 'trackerPort' to a port or range your firewall opens; where executors may reach no "
+            "port of the driver but Spark's own (serverless, standard access mode), use readMode=driver") from None
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ import time
 
 from .. import runtime
 from ..errors import AgentError
-from ..transport import wire
+from ..transport import endpoints, wire
 
 SPAWN_TIMEOUT_S = 60.0
 
@@ -41,11 +41,11 @@ def ensure_agent(tracker_addr: tuple[str, int], tracker_id: str, secret: str, op
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
     while True:
         try:
-            return wire.connect(path, secret, timeout=timeout, name="task")
+            return endpoints.connect(path, secret, timeout=timeout, name="task")
         except (FileNotFoundError, ConnectionRefusedError):
             pass
         if _spawn_unless_alive(tracker_addr, tracker_id, secret, opts):
-            return wire.connect(path, secret, timeout=timeout, name="task")
+            return endpoints.connect(path, secret, timeout=timeout, name="task")
         if time.monotonic() > deadline:
             raise AgentError(f"the spark-share agent did not open {path} within {SPAWN_TIMEOUT_S:.0f} s")
         time.sleep(0.05)  # an agent is starting (its socket is not there yet): a bounded poll for a file

@@ -156,6 +156,28 @@ def _runs(topic_names: list[str], parts, offsets) -> Acquired:
     return out
 
 
+def visible(rb: pa.RecordBatch, max_delivery_count: int | None, include_headers: bool) -> tuple[pa.RecordBatch, list]:
+    """What Spark sees of a poll: without records past ``max_delivery_count`` (returned as poison,
+    ``[topic, partition, offset, deliveryCount]``, rejected to the dead-letter target at commit) and
+    without headers unless asked for."""
+    poison = []
+    if max_delivery_count and rb.num_rows:
+        bad = rb.column("deliveryCount").to_numpy() >= max_delivery_count
+        if bad.any():
+            hit = rb.filter(pa.array(bad))
+            poison = [[t, p, o, c] for t, p, o, c in zip(*(hit.column(n).to_pylist() for n in
+                                                           ("topic", "partition", "offset", "deliveryCount")))]
+            rb = rb.filter(pa.array(~bad))
+    if not include_headers and "headers" in rb.schema.names:
+        rb = rb.drop_columns(["headers"])
+    return rb, poison
+
+
+def redelivered(rb: pa.RecordBatch) -> int:
+    """Rows of a poll that the group delivered before (deliveryCount > 1)."""
+    return int((rb.column("deliveryCount").to_numpy() > 1).sum()) if rb.num_rows else 0
+
+
 class _Warm:
     """A stand-in message: ``warm_up`` converts one to pay the first conversion's one-time costs."""
 

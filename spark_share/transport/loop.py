@@ -2,7 +2,8 @@
 
 Owns: a selector over every socket of ours in this process (listeners, handshakes under way, open
 connections), the calls other threads hand it (``call_soon``: it alone registers, unregisters and closes
-sockets, so a file descriptor is never reused under the selector), timers (``call_later``), and a
+sockets, so a file descriptor is never reused under the selector), timers (``call_later``), the sweep
+that keeps every open connection alive (pings, dead peers) and ends handshakes that take too long, and a
 small thread for callbacks that may block (``run_off_loop``: on_close handlers take locks that handler
 threads hold). A tracker serving 500 agents runs on this thread, a handler pool and nothing per peer.
 
@@ -26,13 +27,14 @@ from concurrent.futures import ThreadPoolExecutor
 log = logging.getLogger("spark_share.transport.wire")
 
 READ, WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
+SWEEP_S = 0.5
 
 
 class Loop:
-    swept = False  # the wire's keepalive sweep runs on this loop (``wire._ensure_sweep``)
-
     def __init__(self) -> None:
-        self.open_conns: set = set()  # the wire's, touched on this loop's thread only
+        # Touched on this loop's thread only: the wire's connections (``keepalive(now)``) and the servers
+        # (``expire_admissions(now)``), which the sweep visits.
+        self.open_conns: set = set()
         self.servers: set = set()
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -45,6 +47,7 @@ class Loop:
         self._callbacks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spark-share-wire-events")
         self.thread = threading.Thread(target=self._run, name="spark-share-wire", daemon=True)
         self.thread.start()
+        self.call_soon(self._sweep)
 
     # --- from any thread --------------------------------------------------------------------------
     def call_soon(self, fn: Callable[[], None]) -> None:
@@ -85,6 +88,14 @@ class Loop:
             self._selector.unregister(sock)
         except (KeyError, ValueError, OSError):
             pass
+
+    def _sweep(self) -> None:
+        self.call_later(SWEEP_S, self._sweep)  # first: one connection's failure must not end the sweep
+        now = time.monotonic()
+        for conn in list(self.open_conns):
+            _logged(lambda: conn.keepalive(now))
+        for server in list(self.servers):
+            _logged(lambda: server.expire_admissions(now))
 
     def _run(self) -> None:
         while True:

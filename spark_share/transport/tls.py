@@ -252,7 +252,7 @@ class TlsStream:
 def admit(sock: socket.socket, secret: str, server_side: bool) -> TlsStream:
     """The TLS handshake on a connected blocking socket, both ends verified; raises AuthError on a
     peer without the query's certificate (OSError if the socket fails or times out). The wire's
-    servers admit peers on their loop instead (``wire.RpcServer``), with the same checks."""
+    servers admit peers on their loop instead (``endpoints.RpcServer``), with the same checks."""
     server_ctx, client_ctx, pinned = contexts(secret)
     stream = TlsStream(sock, server_ctx if server_side else client_ctx, server_side)
     sock.settimeout(HANDSHAKE_TIMEOUT)

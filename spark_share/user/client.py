@@ -15,7 +15,7 @@ import time
 
 from .. import connect, offsets, runtime, spark_versions
 from ..errors import PeerConnectionError, VerdictError
-from ..transport import wire
+from ..transport import endpoints, wire
 from ..transport.protocol import Status, call
 
 _conns: dict[str, wire.RpcConnection] = {}  # tracker id -> connection
@@ -33,7 +33,7 @@ def _connect(entry: dict | None) -> wire.RpcConnection | None:
     if conn is not None and not conn.closed:
         return conn
     try:
-        conn = wire.connect((entry["host"], entry["port"]), entry["secret"], name="verdicts")
+        conn = endpoints.connect((entry["host"], entry["port"]), entry["secret"], name="verdicts")
     except (OSError, KeyError):
         return None
     _conns[tid] = conn

@@ -727,6 +727,7 @@ def query_main(argv) -> int:
     def start():
         q = (spark.readStream.format("kafka-share").option("kafka.bootstrap.servers", args.bootstrap)
              .option("kafka.group.id", args.group).option("subscribe", TOPIC).option("numPartitions", "2")
+             .option("readMode", "executors")  # it kills agents
              .option("deadLetterTopic", DLQ).option("maxDeliveryCount", "4").option("idleProbeIntervalMs", "2000")
              .load().writeStream.foreachBatch(process)
              .option("checkpointLocation", os.path.join(args.out, "checkpoint"))

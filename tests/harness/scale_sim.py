@@ -12,7 +12,7 @@ a socket of the harness's own):
   Spark calls it: ``latestOffset`` (it acknowledges the batch before and plans the next), then
   ``partitions``; it reports per batch what the tracker cost (CPU, threads, memory, bytes it sent, the
   time of those two calls, of the acknowledgements' answers) and its status;
-- the agents' process (``agents``): N agents, each one TLS connection to the tracker (``wire.connect``)
+- the agents' process (``agents``): N agents, each one TLS connection to the tracker (``endpoints.connect``)
   answering the tracker's requests as an agent does (Ack, AckResult, Trim, Ping...); for each batch it
   places the slots on agents (``placement``: ``sticky``, as a cluster whose tasks keep landing where they
   landed, or ``random``, as Spark's shuffled offers), and each slot claims (``Claim``, opening a member
@@ -59,7 +59,7 @@ def _threads() -> int:
 
 
 def _pool_threads() -> int:
-    """The tracker server's handler threads (started as handlers wait, never past ``wire.SERVER_WORKERS``)."""
+    """The tracker server's handler threads (started as handlers wait, never past ``endpoints.SERVER_WORKERS``)."""
     return sum(1 for t in threading.enumerate() if t.name.startswith("tracker-h"))
 
 
@@ -238,8 +238,9 @@ class SimAgent:
 
     def __init__(self, index: int, address, secret: str, members: Members, partitions: int, rows: int, query: str,
                  hold: Hold):
-        from spark_share.transport import wire
-        from spark_share.transport.protocol import TRACKER_TO_AGENT, Bundler, Hello, call, dispatcher
+        from spark_share.transport import endpoints
+        from spark_share.transport.bundler import Bundler
+        from spark_share.transport.protocol import TRACKER_TO_AGENT, Hello, call, dispatcher
 
         self.agent_id = f"sim-host-{index}:{1000 + index}"
         self.query = query  # the tracker registers under it: each run its own, so two runs may share a machine
@@ -254,7 +255,7 @@ class SimAgent:
         self.held: dict[int, dict[int, tuple[str, int]]] = {}  # batch -> slot -> (session, rows)
         self._acked: dict[int, dict] = {}
         self.seq = 0
-        self.conn = wire.connect(tuple(address), secret, handler=dispatcher(self, TRACKER_TO_AGENT),
+        self.conn = endpoints.connect(tuple(address), secret, handler=dispatcher(self, TRACKER_TO_AGENT),
                                  name="sim-agent", workers=2, inline=lambda h: h.get("op") in ("stage", "ack"))
         hello, _ = call(self.conn, Hello(self.agent_id, self.host, 1000 + index), timeout=60)
         self.conn.set_keepalive(float(hello["dead_after_s"]))
@@ -443,7 +444,7 @@ def reject_rows(hello: dict, batch: int, slots: list, partitions: int, rows_per_
     import pyarrow as pa
 
     from spark_share.acknowledgement import REJECT
-    from spark_share.transport import wire
+    from spark_share.transport import endpoints
     from spark_share.transport.protocol import Verdicts, call
     from spark_share.verdict_set import VerdictSet
 
@@ -454,7 +455,7 @@ def reject_rows(hello: dict, batch: int, slots: list, partitions: int, rows_per_
                       "offset": offsets}).slice(0, n)
     t0 = time.perf_counter()
     chunks = VerdictSet.of(table, REJECT, "simulated poison").chunks()
-    conn = wire.connect(tuple(hello["address"]), hello["secret"], name="sim-user")
+    conn = endpoints.connect(tuple(hello["address"]), hello["secret"], name="sim-user")
     try:
         t1 = time.perf_counter()
         msg = Verdicts(batch, "reject", uuid.uuid4().hex, parts=len(chunks), reason="simulated poison")

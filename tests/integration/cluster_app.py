@@ -39,7 +39,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--cores-max", default="3")
     ap.add_argument("--max-per-trigger", default=None)
     ap.add_argument("--conf", action="append", default=[], help="extra Spark conf key=value")
-    ap.add_argument("--option", action="append", default=[], help="extra kafka-share option key=value")
+    ap.add_argument("--option", action="append", default=[],
+                    help="extra kafka-share option key=value (readMode=executors unless given: the cluster tests test agents)")
     ap.add_argument("--slow-first-attempt", type=float, default=0.0,
                     help="the first attempt to see a row in each batch's count sleeps this long (speculation)")
     ap.add_argument("--fail-first-attempt", type=int, default=None, metavar="BATCH",
@@ -148,7 +149,7 @@ def main(argv: list[str]) -> int:
              .option("kafka.group.id", args.group).option("subscribe", args.topic)
              .option("numPartitions", args.partitions)
              .options(**({"maxRecordsPerTrigger": args.max_per_trigger} if args.max_per_trigger else {}))
-             .options(**dict(o.split("=", 1) for o in args.option)).load()
+             .options(**{"readMode": "executors", **dict(o.split("=", 1) for o in args.option)}).load()
              .writeStream.foreachBatch(process).option("checkpointLocation", os.path.join(args.shared, "ck")))
         return (w.trigger(availableNow=True) if args.mode == "drain" else w.trigger(processingTime="1 second")).start()
 

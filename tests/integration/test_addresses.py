@@ -12,7 +12,7 @@ from spark_share.driver.tracker import Tracker
 from spark_share.errors import OptionError, SourceError
 from spark_share.executor.agent import _connect_tracker
 from spark_share.options import parse_options
-from spark_share.transport import wire
+from spark_share.transport import endpoints
 
 
 def _tracker(kafka, **options) -> Tracker:
@@ -66,7 +66,7 @@ def test_an_ipv6_driver_address_works(kafka, monkeypatch):
     t = _tracker(kafka)
     try:
         assert t.address[0] == "::1"
-        conn = wire.connect(tuple(t.address), t.secret)  # what an agent does
+        conn = endpoints.connect(tuple(t.address), t.secret)  # what an agent does
         assert not conn.closed
         conn.close()
     finally:

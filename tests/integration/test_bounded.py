@@ -14,7 +14,7 @@ from harness.support import (
     wait_until,
 )
 from spark_share.runtime import agent_socket_path
-from spark_share.transport import protocol, wire
+from spark_share.transport import endpoints, protocol
 
 
 def test_idle_probes_leave_nothing_behind_in_the_agent_or_the_log(spark, kafka, tmp_path):
@@ -30,7 +30,7 @@ def test_idle_probes_leave_nothing_behind_in_the_agent_or_the_log(spark, kafka, 
         # Twenty more batches, each an idle probe whose polls come back empty.
         wait_until(lambda: q.lastProgress["batchId"] >= first + 20, timeout=120, message="no idle probes ran")
         reg = registry(str(q.id))
-        conn = wire.connect(agent_socket_path(reg["tracker_id"]), reg["secret"], name="test")
+        conn = endpoints.connect(agent_socket_path(reg["tracker_id"]), reg["secret"], name="test")
         try:
             ping, _ = protocol.call(conn, protocol.Ping(), timeout=10)
         finally:

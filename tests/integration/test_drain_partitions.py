@@ -86,9 +86,9 @@ def test_a_drain_says_which_partitions_it_left_when_no_poll_of_its_own_is_given_
     """The wait is bounded: a member that never leaves (another query on the same group, say) keeps its
     partitions, and the drain ends after AVAILABLE_NOW_UNRESOLVED_S (shortened here: the reader runs in
     this process, driven as Spark drives it) naming them in its log and status(), having read the rest."""
-    from spark_share.driver import policy
+    from spark_share.driver import drain_policy
 
-    monkeypatch.setattr(policy, "AVAILABLE_NOW_UNRESOLVED_S", 6.0)
+    monkeypatch.setattr(drain_policy, "AVAILABLE_NOW_UNRESOLVED_S", 6.0)
     topic = kafka.create_topic("kept", 4)
     group = kafka.group(gid())
     idle = IdleMember(kafka, group, topic)

@@ -10,6 +10,8 @@ fails and is retried by the pipeline.
 """
 from __future__ import annotations
 
+import glob
+import os
 import socket
 
 import pytest
@@ -132,10 +134,13 @@ def test_each_update_drains_the_queue_and_the_next_reads_only_what_arrived_since
 
 
 def _start_until_reading(pipeline) -> None:
-    """Start an update and return once the source's read tasks run (an agent joined its tracker)."""
+    """Start an update and return once Spark wrote its first batch's offsets: the batch's reads acquire
+    from then on (in the read tasks, or with readMode=driver as Spark plans it). A kill before that write
+    would leave a checkpoint Spark refuses to start from, whatever the source."""
     pipeline.start()
-    wait_until(lambda: " joined (pid " in pipeline.output() or pipeline.proc.poll() is not None, timeout=240,
-               interval=0.2, message="the source's read tasks did not start")
+    offsets = os.path.join(pipeline.base, "storage", "**", "offsets", "0")
+    wait_until(lambda: glob.glob(offsets, recursive=True) or pipeline.proc.poll() is not None, timeout=240,
+               interval=0.05, message="the source's first batch was not planned")
     assert pipeline.proc.poll() is None, f"the update ended before its reads began:\n{pipeline.output()[-3000:]}"
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from harness import scale_sim
-from spark_share.transport import wire
+from spark_share.transport import endpoints
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +30,7 @@ def test_threads_do_not_grow_with_agents_and_every_batch_is_acknowledged():
     def others(r):
         return max(b["threads"] - b["poolThreads"] for b in r.batches)
     assert others(large) <= others(small) + 2, (others(small), others(large))
-    assert max(b["poolThreads"] for b in large.batches) <= wire.SERVER_WORKERS
+    assert max(b["poolThreads"] for b in large.batches) <= endpoints.SERVER_WORKERS
 
 
 def test_reads_past_the_cap_are_lent_to_hosts_with_a_free_member_which_never_pass_the_cap():

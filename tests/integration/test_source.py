@@ -38,7 +38,7 @@ from harness.support import (
 from spark_share import spark_versions
 from spark_share.executor.agent import CLOSE_WAIT_S
 from spark_share.runtime import agent_socket_path, checkpoint_note_path, registry_path, runtime_dir
-from spark_share.transport import wire
+from spark_share.transport import endpoints, wire
 
 
 @pytest.mark.both_read_modes
@@ -220,7 +220,7 @@ def test_available_now_waits_for_records_it_gave_back(kafka):
     from concurrent.futures import Future
     from types import SimpleNamespace
 
-    from spark_share.driver.policy import AVAILABLE_NOW_EMPTY_RETRIES
+    from spark_share.driver.drain_policy import AVAILABLE_NOW_EMPTY_RETRIES
     from spark_share.driver.tracker import Tracker
     from spark_share.options import parse_options
     from spark_share.transport.protocol import Acquired
@@ -331,18 +331,18 @@ def test_sockets_refuse_peers_without_the_secret(spark, kafka, tmp_path):
         checks["dir_mode"] = os.stat(runtime_dir()).st_mode & 0o777
         for secret in ("", "not-the-secret"):
             try:
-                wire.connect((reg["host"], reg["port"]), secret, timeout=5)
+                endpoints.connect((reg["host"], reg["port"]), secret, timeout=5)
                 checks[f"tracker:{secret}"] = "accepted"
             except wire.AuthError:
                 checks[f"tracker:{secret}"] = "refused"
         sock = agent_socket_path(reg["tracker_id"])
         checks["agent_sock_mode"] = os.stat(sock).st_mode & 0o777
         try:
-            wire.connect(sock, "not-the-secret", timeout=5)
+            endpoints.connect(sock, "not-the-secret", timeout=5)
             checks["agent"] = "accepted"
         except wire.AuthError:
             checks["agent"] = "refused"
-        ok = wire.connect((reg["host"], reg["port"]), reg["secret"], timeout=5)
+        ok = endpoints.connect((reg["host"], reg["port"]), reg["secret"], timeout=5)
         checks["status"] = ok.call({"op": "status"}, timeout=10)[0]
         ok.close()
 

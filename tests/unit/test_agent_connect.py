@@ -20,7 +20,7 @@ def test_a_cut_network_is_waited_out_in_short_attempts_and_a_refusal_fails_at_on
         if len(tried) == 2:
             raise OSError(errno.ENETUNREACH, "Network is unreachable")  # the host's link down
         return "connected"
-    monkeypatch.setattr(agent.wire, "connect", connect)
+    monkeypatch.setattr(agent.endpoints, "connect", connect)
     monkeypatch.setattr(agent.time, "sleep", lambda s: None)
     assert agent._connect_tracker(("10.0.0.5", 40100), "secret") == "connected"
     assert tried == [agent.CONNECT_ATTEMPT_S] * 3
@@ -29,7 +29,7 @@ def test_a_cut_network_is_waited_out_in_short_attempts_and_a_refusal_fails_at_on
         tried.append(timeout)
         raise ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused")
     tried.clear()
-    monkeypatch.setattr(agent.wire, "connect", refused)
+    monkeypatch.setattr(agent.endpoints, "connect", refused)
     with pytest.raises(PeerConnectionError, match=r"cannot reach the spark-share tracker on the driver at "
                                                    r"10\.0\.0\.5:40100 .*set spark\.driver\.host"):
         agent._connect_tracker(("10.0.0.5", 40100), "secret")
@@ -42,7 +42,7 @@ def test_waiting_for_a_cut_network_is_bounded(monkeypatch):
     def connect(address, secret, timeout=None, **kw):
         clock[0] += timeout
         raise TimeoutError("timed out")
-    monkeypatch.setattr(agent.wire, "connect", connect)
+    monkeypatch.setattr(agent.endpoints, "connect", connect)
     monkeypatch.setattr(agent.time, "monotonic", lambda: clock[0])
     with pytest.raises(PeerConnectionError, match="TimeoutError"):
         agent._connect_tracker(("10.0.0.5", 40100), "secret")

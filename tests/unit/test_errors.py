@@ -7,7 +7,7 @@ import pytest
 
 import spark_share
 from spark_share import errors
-from spark_share.transport import wire
+from spark_share.transport import endpoints
 
 BUILTIN_PARENT = {errors.OptionError: ValueError, errors.ConfigError: ValueError, errors.ArgumentError: ValueError,
                   errors.ProtocolError: ValueError, errors.SourceError: RuntimeError,
@@ -71,8 +71,8 @@ def test_our_errors_cross_a_socket_as_themselves_others_as_remote_error(tmp_path
             raise errors.AgentError("session 2 is closed")
         raise KeyError("nothing here")
 
-    server = wire.RpcServer(str(tmp_path / "s.sock"), "k" * 64, handler)
-    conn = wire.connect(server.address, "k" * 64)
+    server = endpoints.RpcServer(str(tmp_path / "s.sock"), "k" * 64, handler)
+    conn = endpoints.connect(server.address, "k" * 64)
     try:
         with pytest.raises(errors.BatchRefused) as e:
             conn.call({"op": "refused"}, timeout=5)

@@ -2,7 +2,7 @@
 
 No real agent runs: ``subprocess.Popen`` is replaced by a fake agent process (it keeps the ``.alive``
 lock it is handed, as a real agent does, opens its socket and says READY on a real pipe) and
-``wire.connect`` by a fake that connects when the socket file exists; the runtime directory is a
+``endpoints.connect`` by a fake that connects when the socket file exists; the runtime directory is a
 ``tmp_path`` (SPARK_SHARE_RUNTIME_DIR). Covers: an agent that runs is used, none is spawned; none
 running, exactly one is spawned and connected to; the Kafka client configs (credentials included)
 and the per-query secret travel on the agent's stdin, never in argv nor its environment; one
@@ -97,7 +97,7 @@ class Host:
         self.reply: bytes | None = b"READY 4242\n"
         self.open_socket = True
         monkeypatch.setattr(launcher.subprocess, "Popen", lambda args, **kw: FakeAgentProcess(self, args, **kw))
-        monkeypatch.setattr(launcher.wire, "connect", self.connect)
+        monkeypatch.setattr(launcher.endpoints, "connect", self.connect)
 
     def connect(self, path, secret, timeout=None, name=None):
         self.connects.append((path, secret, name))
@@ -211,7 +211,7 @@ def test_a_live_agents_alive_lock_means_wait_for_its_socket_and_spawn_nothing(ho
             if len(attempts) == 3:  # the agent opens its socket
                 open(path, "w").close()
             return host.connect(path, secret, timeout, name)
-        monkeypatch.setattr(launcher.wire, "connect", connect)
+        monkeypatch.setattr(launcher.endpoints, "connect", connect)
         assert ensure() == ("conn", runtime.agent_socket_path(TRACKER_ID))
         assert host.spawned == [] and len(attempts) == 3
     finally:
@@ -300,6 +300,6 @@ def test_a_read_task_waiting_on_an_agent_that_stops_starts_the_next_one(host, mo
         if len(attempts) == 3:  # it lets go of the host
             os.close(alive)
         return host.connect(path, secret, timeout, name)
-    monkeypatch.setattr(launcher.wire, "connect", connect)
+    monkeypatch.setattr(launcher.endpoints, "connect", connect)
     assert ensure() == ("conn", runtime.agent_socket_path(TRACKER_ID))
     assert len(host.spawned) == 1 and len(attempts) == 4

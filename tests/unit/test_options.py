@@ -172,8 +172,8 @@ def test_network_encryption_is_no_option_any_more():
     assert not hasattr(parse_options(BASE), "encrypt_network")
 
 
-def test_read_mode_is_executors_unless_driver_is_asked_for():
-    assert parse_options(BASE).read_mode == "executors"
-    assert parse_options(dict(BASE, readmode="Driver")).read_mode == "driver"
-    with pytest.raises(OptionError, match=r"option 'readMode' must be one of executors, driver, got 'driver-side'"):
+def test_read_mode_is_driver_unless_executors_is_asked_for():
+    assert parse_options(BASE).read_mode == "driver"  # runs wherever Spark does: nothing of ours on executors
+    assert parse_options(dict(BASE, readmode="Executors")).read_mode == "executors"
+    with pytest.raises(OptionError, match=r"option 'readMode' must be one of driver, executors, got 'driver-side'"):
         parse_options(dict(BASE, readMode="driver-side"))

@@ -6,10 +6,12 @@ import pytest
 from spark_share.acknowledgement import AckOutcome
 from spark_share.driver.acks import log_batch
 from spark_share.driver.batches import BatchState
-from spark_share.driver.policy import (
+from spark_share.driver.drain_policy import (
     AVAILABLE_NOW_EMPTY_RETRIES,
     AVAILABLE_NOW_UNANSWERED_S,
     AVAILABLE_NOW_UNRESOLVED_S,
+)
+from spark_share.driver.policy import (
     DEFAULT_LOCK_MS,
     GROW_AFTER_BATCHES,
     PARALLELISM_ENV,

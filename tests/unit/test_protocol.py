@@ -9,7 +9,7 @@ from harness.support import wait_until
 from spark_share.driver.tracker import Tracker
 from spark_share.errors import BatchRefused, PeerConnectionError, ProtocolError
 from spark_share.executor.agent import Agent
-from spark_share.transport import protocol, wire
+from spark_share.transport import bundler, endpoints, protocol, wire
 
 WAIT_S = 10
 
@@ -136,9 +136,9 @@ def tracker_conn():
 
     def make(receiver):
         secret = wire.new_secret()
-        srv = wire.RpcServer(("127.0.0.1", 0), secret, protocol.dispatcher(
+        srv = endpoints.RpcServer(("127.0.0.1", 0), secret, protocol.dispatcher(
             receiver, (protocol.Claim, protocol.Acquired, protocol.Bundle)), name="tracking")
-        conn = wire.connect(srv.address, secret)
+        conn = endpoints.connect(srv.address, secret)
         made.append((srv, conn))
         return conn
     yield make
@@ -149,7 +149,7 @@ def tracker_conn():
 
 def test_a_request_alone_leaves_at_once_as_itself(tracker_conn):
     receiver = Tracking()
-    reads = protocol.Bundler(tracker_conn(receiver))
+    reads = bundler.Bundler(tracker_conn(receiver))
     try:
         assert reads.call(protocol.Claim(3, 0), timeout=WAIT_S) == ({"owner": "3/0"}, b"")
         assert reads.call(protocol.Acquired(3, 0), timeout=WAIT_S) == ({"ok": 0}, b"")
@@ -169,7 +169,7 @@ def test_requests_made_while_one_is_on_its_way_leave_together_and_each_gets_its_
     bundles = []
     send = conn.call_async
     conn.call_async = lambda header, *a: (bundles.append(header.get("op")), send(header, *a))[1]
-    reads = protocol.Bundler(conn)
+    reads = bundler.Bundler(conn)
     results: dict[int, object] = {}
 
     def read(slot):
@@ -199,7 +199,7 @@ def test_a_connection_that_ends_fails_every_request_waiting_in_a_bundle(tracker_
     release = threading.Event()
     receiver = Tracking(hold_first=release)
     conn = tracker_conn(receiver)
-    reads = protocol.Bundler(conn)
+    reads = bundler.Bundler(conn)
     errors = []
 
     def read(slot):

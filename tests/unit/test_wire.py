@@ -13,7 +13,7 @@ import pytest
 
 from harness.support import wait_until
 from spark_share.errors import BatchRefused, PeerConnectionError
-from spark_share.transport import tls, wire
+from spark_share.transport import endpoints, frames, tls, wire
 
 SECRET = wire.new_secret()
 OTHER_QUERY = wire.new_secret()
@@ -30,14 +30,14 @@ def server():
             raise ValueError("boom happened")
         return {"echo": req.get("x"), "n": len(blob)}, blob[::-1]
 
-    srv = wire.RpcServer(("127.0.0.1", 0), SECRET, handler, name="test")
+    srv = endpoints.RpcServer(("127.0.0.1", 0), SECRET, handler, name="test")
     yield srv, seen
     srv.close()
 
 
 def test_round_trip_with_blob(server):
     srv, _ = server
-    c = wire.connect(srv.address, SECRET)
+    c = endpoints.connect(srv.address, SECRET)
     rep, blob = c.call({"op": "x", "x": 5}, b"abc", timeout=5)
     assert rep == {"echo": 5, "n": 3} and blob == b"cba"
     with pytest.raises(wire.RemoteError, match="boom happened"):
@@ -57,9 +57,9 @@ def test_arrow_record_blobs_cross_without_a_copy_to_bytes(where, tmp_path):
     ipc = records.to_ipc(rows)
     assert isinstance(ipc, pa.Buffer)
     address = ("127.0.0.1", 0) if where == "tcp" else str(tmp_path / "a.sock")
-    srv = wire.RpcServer(address, SECRET, lambda conn, req, blob: ({}, ipc), name="arrow")
+    srv = endpoints.RpcServer(address, SECRET, lambda conn, req, blob: ({}, ipc), name="arrow")
     try:
-        c = wire.connect(srv.address, SECRET)
+        c = endpoints.connect(srv.address, SECRET)
         _, blob = c.call({"op": "read"}, timeout=5)
         assert records.from_ipc(blob)[0].equals(rows)
         c.close()
@@ -70,7 +70,7 @@ def test_arrow_record_blobs_cross_without_a_copy_to_bytes(where, tmp_path):
 def test_a_big_blob_arrives_intact_both_ways(server):
     srv, _ = server
     blob = os.urandom(24 << 20)  # many TLS records, many socket reads and writes
-    c = wire.connect(srv.address, SECRET)
+    c = endpoints.connect(srv.address, SECRET)
     rep, back = c.call({"op": "x"}, blob, timeout=60)
     assert rep["n"] == len(blob) and hashlib.sha256(back).digest() == hashlib.sha256(blob[::-1]).digest()
     c.close()
@@ -85,8 +85,8 @@ def test_calls_both_ways_from_many_threads_arrive_intact(tmp_path):
         rep, back = conn.call({"op": "back", "i": req["i"]}, blob, timeout=30)  # the server calls the client
         return {"i": rep["back"]}, back
 
-    srv = wire.RpcServer(str(tmp_path / "c.sock"), SECRET, server_handler, name="both")
-    c = wire.connect(srv.address, SECRET, handler=client_handler)
+    srv = endpoints.RpcServer(str(tmp_path / "c.sock"), SECRET, server_handler, name="both")
+    c = endpoints.connect(srv.address, SECRET, handler=client_handler)
     failures = []
 
     def caller(t):
@@ -124,8 +124,8 @@ def test_a_handler_waiting_on_a_peer_holds_no_thread_and_its_answer_arrives():
             f.set_result(({"outer": req["i"]}, b"rows"))
         return {"ok": True}, b""
 
-    srv = wire.RpcServer(("127.0.0.1", 0), SECRET, handler, name="later", workers=2)
-    c = wire.connect(srv.address, SECRET)
+    srv = endpoints.RpcServer(("127.0.0.1", 0), SECRET, handler, name="later", workers=2)
+    c = endpoints.connect(srv.address, SECRET)
     try:
         outer = [c.call_async({"op": "outer", "i": i}) for i in range(6)]  # three times the pool's threads
         assert [c.call({"op": "inner", "i": i}, timeout=10)[0] for i in range(6)] == [{"ok": True}] * 6
@@ -156,7 +156,7 @@ def test_a_client_without_the_query_credential_is_refused_and_counted(server, ca
     caplog.set_level("WARNING", logger="spark_share.transport.wire")
     srv, seen = server
     with pytest.raises(wire.AuthError):
-        wire.connect(srv.address, OTHER_QUERY)
+        endpoints.connect(srv.address, OTHER_QUERY)
     header = json.dumps({"op": "x", "_id": 1, "_kind": "req"}).encode()
     frame = struct.pack("!IQ", len(header), 0) + header
     anonymous = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
@@ -179,10 +179,10 @@ def test_a_client_without_the_query_credential_is_refused_and_counted(server, ca
 def test_a_server_without_the_query_credential_is_refused_by_the_client():
     """A server of another query cannot impersonate ours, nor learn what our client would send."""
     got = []
-    srv = wire.RpcServer(("127.0.0.1", 0), OTHER_QUERY, lambda c, r, b: got.append(r) or ({}, b""), name="fake")
+    srv = endpoints.RpcServer(("127.0.0.1", 0), OTHER_QUERY, lambda c, r, b: got.append(r) or ({}, b""), name="fake")
     try:
         with pytest.raises(wire.AuthError):
-            wire.connect(srv.address, SECRET)
+            endpoints.connect(srv.address, SECRET)
         wait_until(lambda: srv.refused == 1, timeout=10, message="the server did not see the refusal")
         assert got == []
     finally:
@@ -210,7 +210,7 @@ def test_a_plain_server_is_refused_by_the_client():
     t.start()
     try:
         with pytest.raises(wire.AuthError):
-            wire.connect(listener.getsockname()[:2], SECRET, timeout=10)
+            endpoints.connect(listener.getsockname()[:2], SECRET, timeout=10)
         t.join(10)
         assert received[:1] == b"\x16"  # all it got is our TLS hello (a handshake record), no frame
     finally:
@@ -224,12 +224,12 @@ def test_the_credential_never_reaches_logs_errors_or_disk(tmp_path, monkeypatch,
     key_pem = tls.certificate(secret)[0].decode()
     key_body = "".join(key_pem.splitlines()[1:-1])
     errors = []
-    srv = wire.RpcServer(("127.0.0.1", 0), secret, lambda c, r, b: ({}, b""), name="quiet")
-    rogue = wire.RpcServer(("127.0.0.1", 0), other, lambda c, r, b: ({}, b""), name="rogue")
+    srv = endpoints.RpcServer(("127.0.0.1", 0), secret, lambda c, r, b: ({}, b""), name="quiet")
+    rogue = endpoints.RpcServer(("127.0.0.1", 0), other, lambda c, r, b: ({}, b""), name="rogue")
     try:
         for address, credential in ((srv.address, other), (rogue.address, secret)):
             with pytest.raises(wire.AuthError) as e:
-                wire.connect(address, credential)
+                endpoints.connect(address, credential)
             errors.append(f"{e.value!r} {e.value}")
         wait_until(lambda: srv.refused == 1 and rogue.refused == 1, timeout=10, message="refusals not counted")
     finally:
@@ -257,7 +257,7 @@ def test_nothing_received_is_unpickled(server, monkeypatch):
     payload = pickle.dumps(Payload())
     for name in ("loads", "load", "Unpickler"):
         monkeypatch.setattr(pickle, name, forbidden)
-    c = wire.connect(srv.address, SECRET)
+    c = endpoints.connect(srv.address, SECRET)
     rep, back = c.call({"op": "x", "x": payload.hex()}, payload, timeout=5)
     assert bytes(back) == payload[::-1] and rep["echo"] == payload.hex() and ran == []
     c.close()
@@ -267,10 +267,10 @@ def test_handler_errors_reach_the_peer_scrubbed():
     def handler(conn, req, blob):
         raise ValueError("client config rejected: sasl.password=hunter2-secret")
 
-    srv = wire.RpcServer(("127.0.0.1", 0), SECRET, handler, name="scrub",
+    srv = endpoints.RpcServer(("127.0.0.1", 0), SECRET, handler, name="scrub",
                          scrub=lambda s: s.replace("hunter2-secret", "***"))
     try:
-        c = wire.connect(srv.address, SECRET)
+        c = endpoints.connect(srv.address, SECRET)
         with pytest.raises(wire.RemoteError) as e:
             c.call({"op": "x"}, timeout=5)
         assert "sasl.password=***" in str(e.value) and "hunter2" not in str(e.value)
@@ -281,10 +281,10 @@ def test_handler_errors_reach_the_peer_scrubbed():
 
 def test_unix_socket_is_owner_only(tmp_path):
     path = str(tmp_path / "a.sock")
-    srv = wire.RpcServer(path, SECRET, lambda c, r, b: ({"ok": 1}, b""), name="uds")
+    srv = endpoints.RpcServer(path, SECRET, lambda c, r, b: ({"ok": 1}, b""), name="uds")
     try:
         assert oct(os.stat(path).st_mode & 0o777) == oct(0o600)
-        c = wire.connect(path, SECRET)
+        c = endpoints.connect(path, SECRET)
         assert c.call({"op": "x"}, timeout=5)[0] == {"ok": 1}
         c.close()
     finally:
@@ -298,7 +298,7 @@ def test_an_oversized_frame_ends_the_connection(server):
     srv, seen = server
     sock = socket.create_connection(srv.address)
     stream = tls.admit(sock, SECRET, server_side=False)
-    stream.sendall(wire._FRAME.pack(wire.MAX_HEADER + 1, 0))
+    stream.sendall(frames.FRAME.pack(frames.MAX_HEADER + 1, 0))
     assert _refused_by_peer(sock)
     stream.close()
     assert seen == []
@@ -306,7 +306,7 @@ def test_an_oversized_frame_ends_the_connection(server):
 
 def test_pending_calls_fail_when_peer_goes_away(server):
     srv, _ = server
-    c = wire.connect(srv.address, SECRET)
+    c = endpoints.connect(srv.address, SECRET)
     fut = c.call_async({"op": "x"})
     fut.result(5)
     srv.close()
@@ -316,9 +316,9 @@ def test_pending_calls_fail_when_peer_goes_away(server):
 
 
 def test_a_peer_admitted_while_the_server_closes_is_closed_and_close_returns():
-    srv = wire.RpcServer(("127.0.0.1", 0), SECRET, lambda c, r, b: ({}, b""), name="closing")
+    srv = endpoints.RpcServer(("127.0.0.1", 0), SECRET, lambda c, r, b: ({}, b""), name="closing")
     srv._stopped.set()  # close() has begun; the accept loop is still waiting for one more peer
-    c = wire.connect(srv.address, SECRET)
+    c = endpoints.connect(srv.address, SECRET)
     assert c.wait_closed(5), "a peer admitted during close stayed connected"
     closer = threading.Thread(target=srv.close)
     closer.start()
@@ -402,7 +402,7 @@ def tapped(server):
     """The echo server, a tap on the path, and a client connected through it (handshake done)."""
     srv, seen = server
     tap = _Tap(srv.address)
-    c = wire.connect(tap.address, SECRET)
+    c = endpoints.connect(tap.address, SECRET)
     assert c.call({"op": "x", "x": 1}, timeout=5)[0]["echo"] == 1  # a genuine call first
     yield srv, seen, tap, c
     c.close()
@@ -447,10 +447,10 @@ def test_headers_and_records_do_not_cross_the_network_in_clear(tapped):
 
 _TIGHT_SERVER = """
 import logging, os, resource, sys
-from spark_share.transport import wire
+from spark_share.transport import endpoints, frames, wire
 logging.basicConfig(stream=sys.stderr, level=logging.INFO)
 secret = sys.stdin.readline().strip()
-srv = wire.RpcServer(("127.0.0.1", 0), secret, lambda c, r, b: ({"pauses": srv.accept_pauses}, b""), name="tight")
+srv = endpoints.RpcServer(("127.0.0.1", 0), secret, lambda c, r, b: ({"pauses": srv.accept_pauses}, b""), name="tight")
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 top = max(int(fd) for fd in os.listdir("/proc/self/fd"))
 resource.setrlimit(resource.RLIMIT_NOFILE, (top + 4, hard))  # a few peers, then EMFILE
@@ -478,7 +478,7 @@ def test_the_accept_loop_survives_running_out_of_descriptors(tmp_path):
         address = ("127.0.0.1", port)
         while True:  # connect until the server has no descriptor for the next peer
             try:
-                clients.append(wire.connect(address, SECRET, timeout=3))
+                clients.append(endpoints.connect(address, SECRET, timeout=3))
             except (TimeoutError, OSError, PeerConnectionError):
                 break
             assert len(clients) < 50, "the descriptor limit did not hold"
@@ -486,7 +486,7 @@ def test_the_accept_loop_survives_running_out_of_descriptors(tmp_path):
         rep, _ = clients[0].call({"op": "pauses"}, timeout=10)
         assert rep["pauses"] >= 1
         waiting = []
-        late = threading.Thread(target=lambda: waiting.append(wire.connect(address, SECRET, timeout=30)))
+        late = threading.Thread(target=lambda: waiting.append(endpoints.connect(address, SECRET, timeout=30)))
         late.start()
         for c in clients[:2]:  # descriptors free again: the waiting peer gets in
             c.close()
