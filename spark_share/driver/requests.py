@@ -88,8 +88,8 @@ class TrackerRequests:
         for port in range(first, last + 1):
             try:
                 return endpoints.RpcServer((host, port), self.secret, dispatcher(self, TO_TRACKER), name="tracker",
-                                      on_close=lambda conn: self.roster.left(conn, self.ledger.stopping),
-                                      scrub=lambda s: scrub(s, self._secrets), inline=_on_the_loop)
+                                           on_close=lambda conn: self.roster.left(conn, self.ledger.stopping),
+                                           scrub=lambda s: scrub(s, self._secrets), inline=_on_the_loop)
             except OSError as e:  # taken: try the next one
                 error = e
         raise SourceError(f"option 'trackerPort' = {_port_text(self.opts.tracker_ports)!r}: no port of it is free on "

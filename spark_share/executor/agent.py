@@ -27,7 +27,6 @@ import sys
 import threading
 import time
 from concurrent.futures import wait as wait_futures
-from typing import TYPE_CHECKING
 
 from .. import runtime
 from ..errors import BatchRefused, MemberRefused, PeerConnectionError
@@ -55,9 +54,6 @@ from . import records
 from .agent_acks import AgentAcknowledgements, Cached
 from .pool import SessionPool, poll_budget
 from .session_stats import stats_interval_ms
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger("spark_share.executor.agent")
 CLOSE_WAIT_S = 30.0  # at shutdown, for the consumers to close (their releases wait for the broker)
@@ -114,8 +110,8 @@ class Agent(AgentAcknowledgements):
         # Without ``serve`` (readMode=driver: this agent lives in the source runner) no read task reaches it:
         # the runner reads each slot itself as Spark plans the batch.
         self.server = endpoints.RpcServer(runtime.agent_socket_path(tracker_id), secret,
-                                     dispatcher(self, TASK_TO_AGENT), name="agent",
-                                     scrub=self._scrub) if serve else None
+                                          dispatcher(self, TASK_TO_AGENT), name="agent",
+                                          scrub=self._scrub) if serve else None
 
     def _new_session(self, max_poll_records: int | None = None):
         from .session import ShareSession
