@@ -92,13 +92,15 @@ class DriverReads:
 
 
 def _pieces(ipc) -> list[bytes]:
-    """A slot's Arrow IPC, in pieces of at most PARTITION_BYTES (whole rows each; one piece if it fits)."""
+    """A slot's Arrow IPC (a pyarrow Buffer, or bytes when another agent's rows were relayed), in pieces of at
+    most PARTITION_BYTES (whole rows each; one piece if it fits)."""
+    import pyarrow as pa
+
+    ipc = ipc if isinstance(ipc, pa.Buffer) else pa.py_buffer(ipc)
     if ipc.size <= PARTITION_BYTES:
         return [ipc.to_pybytes()]
     batches = records.from_ipc(ipc)
     rows = sum(b.num_rows for b in batches)
-    import pyarrow as pa
-
     table = pa.Table.from_batches(batches)
     n = -(-ipc.size // PARTITION_BYTES)
     step = -(-rows // n)

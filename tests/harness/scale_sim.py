@@ -84,7 +84,8 @@ def tracker_main(args) -> None:
 
     reader = ShareStreamReader(parse_options({
         "kafka.bootstrap.servers": args.bootstrap, "kafka.group.id": GROUP, "subscribe": TOPIC,
-        "numPartitions": str(args.agents * args.slots), "ackTimeoutMs": "10000", "idleProbeIntervalMs": "100"}))
+        "numPartitions": str(args.agents * args.slots), "ackTimeoutMs": "10000", "idleProbeIntervalMs": "100",
+        "readMode": "executors"}))  # the simulated agents are the executors' agents
     start = offset_of(INITIAL)
     t = reader._t()
     import logging

@@ -322,6 +322,24 @@ def python_workers() -> list[psutil.Process]:
     return out
 
 
+def workers_talking_to(pids: Iterable[int]) -> list[psutil.Process]:
+    """This run's Python workers holding a Unix socket connected to one of ``pids`` (a read in flight talks
+    to its host's agent; an idle pooled worker does not). ``ss`` says which socket is whose peer."""
+    import subprocess
+
+    wanted = set(pids)
+    owners: dict[str, set[int]] = {}
+    peer_of: dict[str, str] = {}
+    for line in subprocess.run(["ss", "-xpn"], capture_output=True, text=True, check=True).stdout.splitlines()[1:]:
+        m = re.match(r"\S+\s+\S+\s+\d+\s+\d+\s+\S+\s+(\d+)\s+\S+\s+(\d+)\s*(.*)$", line)
+        if m:
+            owners[m.group(1)] = {int(p) for p in re.findall(r"pid=(\d+)", m.group(3))}
+            peer_of[m.group(1)] = m.group(2)
+    theirs = {inode for inode, holders in owners.items() if holders & wanted}
+    return [w for w in python_workers()
+            if any(w.pid in holders and peer_of[inode] in theirs for inode, holders in owners.items())]
+
+
 def runner_processes() -> list[psutil.Process]:
     """This run's python_streaming_source_runner processes (the trackers live there)."""
     out = []

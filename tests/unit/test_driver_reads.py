@@ -21,6 +21,8 @@ def slot_rows(n: int, value_bytes: int) -> pa.RecordBatch:
 def test_a_slot_that_fits_is_one_partition_of_its_own_bytes():
     ipc = records.to_ipc(slot_rows(10, 100))
     assert _pieces(ipc) == [ipc.to_pybytes()]
+    # Rows another agent held come relayed through the tracker as bytes, not a pyarrow Buffer.
+    assert _pieces(ipc.to_pybytes()) == _pieces(bytearray(ipc.to_pybytes())) == [ipc.to_pybytes()]
 
 
 def test_a_big_slot_is_cut_into_pieces_under_the_bound_that_hold_every_row_once(monkeypatch):
