@@ -1,7 +1,8 @@
 """Fault matrix: foreachBatch raises before Spark's commit (rows 1 and 12).
 
 Row 1: the sink wrote, then the batch failed: nothing was ACCEPTed (invariant 1), a restart from the
-checkpoint gets every record of the batch again, with deliveryCount 2. Row 12: one query fails, the
+checkpoint gets every record of the batch again, with deliveryCount 2 (on the embedded broker at most 3:
+a consumer's join ends the other's share session there). Row 12: one query fails, the
 other query on the same broker goes on unaffected."""
 from __future__ import annotations
 
@@ -46,7 +47,13 @@ def test_row1_crash_after_sink_write_redelivers_the_batch(spark, kafka, tmp_path
     with pytest.raises(Exception, match="crash after the sink wrote"):
         q.awaitTermination(120)
     first = spark.read.parquet(out).collect()
-    assert len(first) > 0 and {r["deliveryCount"] for r in first} == {1}
+    # Real Kafka: each record of the failed batch is delivered for the 1st time, and comes back as its 2nd
+    # delivery. The embedded broker ends every member's share session when another joins: a consumer joining
+    # while another one's fetch is under way sends the records that fetch acquired back once more, unseen
+    # (twice in ~60 CI runs, at the restart on PySpark 4.0.5; a probe of two new consumers after two closed
+    # ones: 2 of 12 trials, a whole partition at deliveryCount 3). There each delivery may come one later.
+    late = 0 if kafka.external else 1
+    assert len(first) > 0 and {r["deliveryCount"] for r in first} <= {1, 1 + late}
     assert not os.path.exists(os.path.join(ck, "commits", "0"))
     # The embedded broker ends every share session when a client disconnects: had the failed run's
     # agent closed its consumers while the restart held batch 0, the batch would come back a third
@@ -62,8 +69,10 @@ def test_row1_crash_after_sink_write_redelivers_the_batch(spark, kafka, tmp_path
     assert q.exception() is None
     redelivered = {json.loads(bytes(r["value"]))["id"]: r["deliveryCount"] for r in collector.rows}
     for r in first:
-        i = json.loads(bytes(r["value"]))["id"]
-        assert redelivered.get(i) == 2, f"record {i} of the failed batch did not come back with deliveryCount 2"
+        i, allowed = json.loads(bytes(r["value"]))["id"], range(r["deliveryCount"] + 1, r["deliveryCount"] + 2 + late)
+        assert redelivered.get(i) in allowed, (
+            f"record {i} of the failed batch (delivery {r['deliveryCount']}) came back as delivery "
+            f"{redelivered.get(i)}, not {list(allowed)}")
     check_no_loss(w.ids, collector.ids)
 
 
