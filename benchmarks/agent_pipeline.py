@@ -100,8 +100,8 @@ def raw_loop(bootstrap: str, topic: str, n: int, consumers: int, phases: Phases)
 def agent_path(bootstrap: str, topic: str, n: int, consumers: int, phases: Phases) -> float:
     import gc
 
-    from spark_share.executor import records
-    from spark_share.executor.session import ShareSession
+    from spark_share.consumers import records
+    from spark_share.consumers.session import ShareSession
 
     records.warm_up()
     gc.freeze()  # as the agent does once started

@@ -17,7 +17,7 @@ def _prebuilt(rows: int):
     if rows not in _BATCH:
         import pyarrow as pa
 
-        from spark_share.executor.records import ARROW_SCHEMA
+        from spark_share.consumers.records import ARROW_SCHEMA
 
         _BATCH[rows] = pa.RecordBatch.from_arrays(
             [pa.array([b"%d" % i for i in range(rows)], pa.binary()), pa.array([b"x" * 100] * rows, pa.binary()),
@@ -35,7 +35,7 @@ class FloorSource(DataSource):
         return "spark-share-floor"
 
     def schema(self):
-        from spark_share.executor.records import spark_schema
+        from spark_share.consumers.records import spark_schema
 
         return spark_schema(False)
 

@@ -335,7 +335,7 @@ def decode_bench(n=300_000, repeats=5):
     import pyarrow as pa
     from confluent_kafka import Message
 
-    from spark_share.executor import records
+    from spark_share.consumers import records
 
     msgs = [Message(topic="orders", partition=p, offset=o, key=str(o).encode(), value=b"x" * 100,
                     timestamp=(1, 1_700_000_000_000 + o), delivery_count=1) for p in range(4) for o in range(n // 4)]

@@ -1,5 +1,5 @@
 """A query's dead-letter target as the driver checks it when the query starts, and the file system of a
-dead-letter path (the executor's writer, ``executor/deadletter.py``, writes through it).
+dead-letter path (the executor's writer, ``consumers/deadletter.py``, writes through it).
 
 Owns: failing fast, naming the option, when the topic is missing or the path cannot be written, and
 resolving a path (local, ``file://``, or any URI pyarrow knows) to its file system. Must never: write

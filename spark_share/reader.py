@@ -3,7 +3,7 @@
 Owns: the driver-side calls (latestOffset acknowledges
 the batch Spark has just committed, then decides whether a new one is worth running), the input
 partitions, and ``read()``, which hands the (batch, slot) to the executor side (``executor.read_task``),
-or under ``readMode=driver`` decodes the rows the partition carries (``driver_reads``).
+or under ``readMode=driver`` decodes the rows the partition carries (``driver.reads``).
 
 Must never: hold a Kafka consumer in ``read()`` (Python workers come and go), create sockets,
 threads or clients before a driver-only method runs (the reader is pickled to executors), or
@@ -22,8 +22,9 @@ from collections.abc import Iterator
 from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
 
 from . import runtime
+from .consumers import records
 from .errors import SourceError
-from .executor import read_task, records
+from .executor import read_task
 from .offsets import INITIAL, batch_of, offset_of
 from .options import ShareSourceOptions, scrub
 from .spark_versions import ReadAllAvailable, ReadMaxRows, SupportsTriggerAvailableNow, max_rows
@@ -88,7 +89,7 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 _StopOnSigterm(self)
             self._tracker = Tracker(self.opts)
             if self.opts.read_mode == "driver":
-                from .driver_reads import DriverReads
+                from .driver.reads import DriverReads
 
                 self._driver_reads = DriverReads(self._tracker, self.opts)
             elif one_host():

@@ -9,7 +9,7 @@ import os
 
 from pyspark.sql.datasource import DataSource
 
-from .executor.records import spark_schema
+from .consumers.records import spark_schema
 from .options import parse_options
 
 

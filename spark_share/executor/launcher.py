@@ -82,7 +82,7 @@ def _spawn_agent(tracker_addr, tracker_id: str, secret: str, opts, alive_fd: int
     with open(log_path, "ab") as logf:
         os.chmod(log_path, 0o600)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "spark_share.executor.agent"],
+            [sys.executable, "-m", "spark_share.consumers.agent"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf,
             close_fds=True, pass_fds=(alive_fd,), start_new_session=True, cwd=runtime.runtime_dir(), env=env)
     assert proc.stdin is not None and proc.stdout is not None  # both are pipes

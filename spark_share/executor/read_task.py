@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ..connect import session_of_job_tags
+from ..consumers import records
 from ..options import ShareSourceOptions
 from ..transport.protocol import Read, call
-from . import records
 
 # Per Python worker: the connection to this host's agent of each query run, kept between tasks.
 _AGENTS: dict = {}

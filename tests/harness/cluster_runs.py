@@ -123,7 +123,7 @@ def agents_on(cluster: NamespaceCluster, host: str) -> list[int]:
     for pid in cluster.pids(host):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"spark_share.executor.agent" in f.read():
+                if b"spark_share.consumers.agent" in f.read():
                     out.append(pid)
         except OSError:
             continue

@@ -35,7 +35,7 @@ def process_kind(p: psutil.Process, driver_pid: int | None = None) -> str | None
         return "executor JVM"
     if "org.apache.spark.deploy.master.Master" in cmd or "org.apache.spark.deploy.worker.Worker" in cmd:
         return "Spark daemons"
-    for needle, kind in (("spark_share.executor.agent", "agent"), ("python_streaming_source_runner", "runner"),
+    for needle, kind in (("spark_share.consumers.agent", "agent"), ("python_streaming_source_runner", "runner"),
                          ("pyspark.daemon", "python workers"), ("pyspark/daemon", "python workers"),
                          ("pyspark.worker", "python workers")):
         if needle in cmd:
@@ -61,7 +61,7 @@ def run_processes(root_pid: int, runtime_dir: str) -> dict[int, tuple[str, psuti
             out[p.pid] = (kind, p)
     for p in psutil.process_iter(["cmdline"]):
         try:
-            if "spark_share.executor.agent" in " ".join(p.info["cmdline"] or []) and p.cwd() == runtime_dir:
+            if "spark_share.consumers.agent" in " ".join(p.info["cmdline"] or []) and p.cwd() == runtime_dir:
                 out[p.pid] = ("agent", p)
         except psutil.Error:
             continue

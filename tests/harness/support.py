@@ -278,7 +278,7 @@ def agent_processes(tracker_id: str | None = None) -> list[psutil.Process]:
             cmd = p.info["cmdline"] or []
             if p.info["status"] == psutil.STATUS_ZOMBIE:
                 continue
-            if "spark_share.executor.agent" in cmd:
+            if "spark_share.consumers.agent" in cmd:
                 out.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue

@@ -8,9 +8,9 @@ import socket
 import pytest
 
 from harness.support import gid, kafka_options, uid
+from spark_share.consumers.agent import _connect_tracker
 from spark_share.driver.tracker import Tracker
 from spark_share.errors import OptionError, SourceError
-from spark_share.executor.agent import _connect_tracker
 from spark_share.options import parse_options
 from spark_share.transport import endpoints
 

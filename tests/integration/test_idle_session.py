@@ -8,7 +8,7 @@ import json
 import pytest
 
 from harness.support import ShareGroups, gid, uid, wait_until
-from spark_share.executor.session import IDLE_SERVE_S, STATS_INTERVAL_MS, ShareSession
+from spark_share.consumers.session import IDLE_SERVE_S, STATS_INTERVAL_MS, ShareSession
 
 STATS_PER_SERVE = IDLE_SERVE_S * 1000 / int(STATS_INTERVAL_MS)
 

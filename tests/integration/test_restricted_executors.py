@@ -193,7 +193,7 @@ def test_executors_mode_in_the_sandbox_fails_promptly_naming_driver_mode(namespa
                                    "--conf", f"spark.driver.blockManager.port={BLOCK_MANAGER_PORT}")
         res = cluster_runs.result(app, shared, 300)
     assert res["error"] and "readMode=driver" in res["error"], res["error"]
-    assert any("spark_share.executor.agent" in e for e in sandbox.ended), sandbox.ended
+    assert any("spark_share.consumers.agent" in e for e in sandbox.ended), sandbox.ended
     assert not cluster_runs.written(shared), "rows reached the sink from a query that cannot acknowledge them"
     # From the query's start (the driver program marks it) to its result.
     failed_after = os.path.getmtime(os.path.join(shared, "result.json")) - os.path.getmtime(os.path.join(shared, "running"))

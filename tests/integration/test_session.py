@@ -6,7 +6,7 @@ import time
 import pytest
 
 from harness.support import kafka_options
-from spark_share.executor.session import ShareSession
+from spark_share.consumers.session import ShareSession
 
 
 def test_polls_end_when_a_fetch_comes_back_empty_and_not_while_one_is_on_its_way(kafka, produce):

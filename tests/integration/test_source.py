@@ -36,7 +36,7 @@ from harness.support import (
     wait_until,
 )
 from spark_share import spark_versions
-from spark_share.executor.agent import CLOSE_WAIT_S
+from spark_share.consumers.agent import CLOSE_WAIT_S
 from spark_share.runtime import agent_socket_path, checkpoint_note_path, registry_path, runtime_dir
 from spark_share.transport import endpoints, wire
 

@@ -6,8 +6,8 @@ import errno
 
 import pytest
 
+from spark_share.consumers import agent
 from spark_share.errors import PeerConnectionError
-from spark_share.executor import agent
 
 
 def test_a_cut_network_is_waited_out_in_short_attempts_and_a_refusal_fails_at_once(monkeypatch):

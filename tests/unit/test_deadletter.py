@@ -1,4 +1,4 @@
-"""``spark_share.executor.deadletter``: where REJECTed records are written before their REJECT.
+"""``spark_share.consumers.deadletter``: where REJECTed records are written before their REJECT.
 
 Covers the Parquet-table target (one file per batch and slot under ``batchId=N``, in a ``tmp_path``,
 read back with pyarrow: every original field kept, plus the reason, the query id, the time of the
@@ -22,11 +22,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from spark_share.acknowledgement import REJECT
+from spark_share.consumers import deadletter
+from spark_share.consumers.deadletter import DeadLetterWriter, rejected_table
+from spark_share.consumers.records import arrow_schema
 from spark_share.deadletter_target import check_path, check_target
 from spark_share.errors import DeadLetterError, SourceError
-from spark_share.executor import deadletter
-from spark_share.executor.deadletter import DeadLetterWriter, rejected_table
-from spark_share.executor.records import arrow_schema
 from spark_share.options import parse_options
 from spark_share.verdict_set import VerdictSet
 

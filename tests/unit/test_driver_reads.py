@@ -1,4 +1,4 @@
-"""``spark_share.driver_reads`` without Spark or Kafka: a slot's rows as the input partitions of a
+"""``spark_share.driver.reads`` without Spark or Kafka: a slot's rows as the input partitions of a
 readMode=driver batch, cut to fit a task payload and whole again on the executor."""
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pickle
 
 import pyarrow as pa
 
-from spark_share import driver_reads
-from spark_share.driver_reads import RowsPartition, _pieces
-from spark_share.executor import records
+from spark_share.consumers import records
+from spark_share.driver import reads as driver_reads
+from spark_share.driver.reads import RowsPartition, _pieces
 
 
 def slot_rows(n: int, value_bytes: int) -> pa.RecordBatch:

@@ -55,7 +55,7 @@ class Stdin:
 
 
 class FakeAgentProcess:
-    """What ``subprocess.Popen`` returns for ``python -m spark_share.executor.agent``: the agent holds
+    """What ``subprocess.Popen`` returns for ``python -m spark_share.consumers.agent``: the agent holds
     the ``.alive`` lock it inherits (a dup of the spawner's descriptor shares its lock), opens its
     socket and prints READY (or ``reply``) on stdout, a real pipe the launcher select()s on."""
 
@@ -163,7 +163,7 @@ def test_an_agent_that_runs_is_used_and_none_is_spawned(host):
 def test_with_no_agent_one_is_spawned_and_connected_to(host):
     assert ensure() == ("conn", runtime.agent_socket_path(TRACKER_ID))
     (proc,) = host.spawned
-    assert proc.args == [sys.executable, "-m", "spark_share.executor.agent"]
+    assert proc.args == [sys.executable, "-m", "spark_share.consumers.agent"]
     assert proc.kw["start_new_session"] is True and proc.kw["close_fds"] is True  # detached from the worker
     assert proc.kw["cwd"] == str(host.dir)
     assert proc.stdin.closed

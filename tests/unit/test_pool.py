@@ -2,7 +2,7 @@
 one only when the tracker grants it; idle ones closed when the tracker says the query needs them no more."""
 from __future__ import annotations
 
-from spark_share.executor.pool import SessionPool
+from spark_share.consumers.pool import SessionPool
 
 
 class FakeSession:
@@ -138,7 +138,7 @@ def test_trim_closes_only_free_sessions_not_polled_since_a_batch_nor_for_a_while
     (one, to move it to another host; or all idle ones, a host Spark stopped reading on). Never one a read
     holds, one whose records await an acknowledgement, or one carrying records (closing releases them,
     and each release spends a delivery)."""
-    from spark_share.executor import pool as pool_module
+    from spark_share.consumers import pool as pool_module
 
     clock = [100.0]
     monkeypatch.setattr(pool_module.time, "monotonic", lambda: clock[0])

@@ -6,9 +6,9 @@ import threading
 import pytest
 
 from harness.support import wait_until
+from spark_share.consumers.agent import Agent
 from spark_share.driver.tracker import Tracker
 from spark_share.errors import BatchRefused, PeerConnectionError, ProtocolError
-from spark_share.executor.agent import Agent
 from spark_share.transport import bundler, endpoints, protocol, wire
 
 WAIT_S = 10

@@ -1,5 +1,5 @@
 
-from spark_share.executor import records
+from spark_share.consumers import records
 
 
 class Msg:

@@ -7,7 +7,7 @@ import confluent_kafka
 import pytest
 
 from spark_share.acknowledgement import ACCEPT, REJECT, RELEASE
-from spark_share.executor import session as session_mod
+from spark_share.consumers import session as session_mod
 from spark_share.verdict_set import VerdictSet
 
 

@@ -8,7 +8,7 @@ import confluent_kafka
 import pytest
 
 from harness.support import wait_until
-from spark_share.executor import session as session_mod
+from spark_share.consumers import session as session_mod
 
 
 class FakeShareConsumer:
@@ -121,7 +121,7 @@ def test_a_partition_assigned_during_a_poll_is_not_answered_by_fetches_sent_for_
     import json
     import time
 
-    from spark_share.executor.session_stats import FetchStats
+    from spark_share.consumers.session_stats import FetchStats
 
     def stats(sent: int, partitions: list[int]) -> str:
         return json.dumps({"ts": int(time.monotonic() * 1e6), "cgrp": {"join_state": "steady", "assignment_size": 1},

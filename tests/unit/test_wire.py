@@ -51,7 +51,7 @@ def test_arrow_record_blobs_cross_without_a_copy_to_bytes(where, tmp_path):
     cross TCP and Unix sockets alike, and arrive as the same rows."""
     import pyarrow as pa
 
-    from spark_share.executor import records
+    from spark_share.consumers import records
 
     rows = pa.RecordBatch.from_pylist([{"key": b"k%d" % i, "n": i} for i in range(5000)])
     ipc = records.to_ipc(rows)

@@ -23,7 +23,7 @@ from harness.support import (
     uid,
     wait_until,
 )
-from spark_share.executor.agent import CLOSE_WAIT_S
+from spark_share.consumers.agent import CLOSE_WAIT_S
 
 pytestmark = pytest.mark.slow
 

@@ -22,7 +22,7 @@ from ..acknowledgement import ACCEPT, REJECT, RELEASE, AckOutcome
 from ..verdict_set import VerdictSet
 from . import records
 
-log = logging.getLogger("spark_share.executor.session")
+log = logging.getLogger("spark_share.consumers.session")
 
 @dataclass
 class Holding:

@@ -24,7 +24,7 @@ from . import records
 if TYPE_CHECKING:
     from .session import ShareSession
 
-log = logging.getLogger("spark_share.executor.agent")
+log = logging.getLogger("spark_share.consumers.agent")
 
 # A new share consumer must join the group before records flow: its first poll may wait until it is
 # this old, unless librdkafka reports earlier that it joined and fetched (see ShareSession.poll), so

@@ -33,7 +33,7 @@ from . import records
 from .session_acks import Holding, acknowledge_held, error_code
 from .session_stats import STATS_INTERVAL_MS, FetchStats
 
-log = logging.getLogger("spark_share.executor.session")
+log = logging.getLogger("spark_share.consumers.session")
 KAFKA_LOG = logging.getLogger("spark_share.kafka")  # librdkafka's own lines
 
 POLL_SLICE_S = 0.05  # how often an empty poll looks at the fetch state

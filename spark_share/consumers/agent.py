@@ -55,7 +55,7 @@ from .agent_acks import AgentAcknowledgements, Cached
 from .pool import SessionPool, poll_budget
 from .session_stats import stats_interval_ms
 
-log = logging.getLogger("spark_share.executor.agent")
+log = logging.getLogger("spark_share.consumers.agent")
 CLOSE_WAIT_S = 30.0  # at shutdown, for the consumers to close (their releases wait for the broker)
 CONNECT_WAIT_S = 30.0  # a new agent tries to reach its tracker this long...
 CONNECT_ATTEMPT_S = 2.0  # ...in attempts of this long

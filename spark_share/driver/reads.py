@@ -18,11 +18,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from pyspark.sql.datasource import InputPartition
 
-from .executor import records
-from .executor.agent import CLOSE_WAIT_S, Agent
-from .options import ShareSourceOptions
+from ..consumers import records
+from ..consumers.agent import CLOSE_WAIT_S, Agent
+from ..options import ShareSourceOptions
 
-log = logging.getLogger("spark_share.driver_reads")
+log = logging.getLogger("spark_share.driver.reads")
 
 # A slot's rows are cut into partitions of at most this many bytes of Arrow IPC: every task's payload
 # crosses Spark's RPC (spark.rpc.message.maxSize, 128 MiB by default) and sits in the driver's memory
