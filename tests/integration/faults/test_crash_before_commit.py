@@ -1,8 +1,8 @@
 """Fault matrix: foreachBatch raises before Spark's commit (rows 1 and 12).
 
 Row 1: the sink wrote, then the batch failed: nothing was ACCEPTed (invariant 1), a restart from the
-checkpoint gets every record of the batch again, with deliveryCount 2 (on the embedded broker at most 3:
-a consumer's join ends the other's share session there). Row 12: one query fails, the
+checkpoint gets every record of the batch again, as its 2nd delivery (on the embedded broker each delivery
+may come one later: a consumer's join ends the others' share sessions there). Row 12: one query fails, the
 other query on the same broker goes on unaffected."""
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def test_row1_crash_after_sink_write_redelivers_the_batch(spark, kafka, tmp_path
     # Real Kafka: each record of the failed batch is delivered for the 1st time, and comes back as its 2nd
     # delivery. The embedded broker ends every member's share session when another joins: a consumer joining
     # while another one's fetch is under way sends the records that fetch acquired back once more, unseen
-    # (twice in ~60 CI runs, at the restart on PySpark 4.0.5; a probe of two new consumers after two closed
+    # (twice in CI, both at the restart on PySpark 4.0.5; a probe of two new consumers after two closed
     # ones: 2 of 12 trials, a whole partition at deliveryCount 3). There each delivery may come one later.
     late = 0 if kafka.external else 1
     assert len(first) > 0 and {r["deliveryCount"] for r in first} <= {1, 1 + late}
