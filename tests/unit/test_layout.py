@@ -25,10 +25,8 @@ def _imported_subpackages(path: pathlib.Path) -> set[str]:
                 parts = (node.module or "").split(".")
                 if parts[0] == "spark_share" and len(parts) > 1:
                     found.add(parts[1])
-            elif node.level == 2:  # from ..x import y, inside a subpackage
-                found.add((node.module or "").split(".")[0] or "")
-                if not node.module:
-                    found.update(alias.name for alias in node.names)
+            elif node.level == 2:  # inside a subpackage: from ..x import y, or from .. import x
+                found.update([node.module.split(".")[0]] if node.module else (a.name for a in node.names))
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 parts = alias.name.split(".")
