@@ -11,6 +11,7 @@ spark_share/ is not on the path.
 
     .venv/bin/python tests/harness/spark_matrix.py                 # every entry
     .venv/bin/python tests/harness/spark_matrix.py --only 4.0.5 -- -k drain   # one, and pytest arguments
+    .venv/bin/python tests/harness/spark_matrix.py --prepare      # only the venvs (./dev test, beside its first pass)
 
 Venvs are kept under .venv-spark/<pyspark>/ and reused while the entry and the wheel's dependencies
 are unchanged. Exit code: 0 if every entry passed, else 1 (pytest's "no tests" counts as a failure,
@@ -34,12 +35,10 @@ VENVS = os.path.join(ROOT, ".venv-spark")
 TEST_TOOLS = ["pytest>=8", "psutil>=5.9", "chispa>=0.10", "nbclient>=0.10", "nbformat>=5", "ipykernel>=6",
               "pyyaml>=6"]  # pyyaml: the spark-pipelines command (pyspark[pipelines]) and the pipeline tests
 # The core, on every entry: what differs between Sparks (and the version check), the source
-# (AvailableNow, drains, idle, restarts), verdicts and dead letters, the fault rows the embedded broker
-# injects (ShareFetch and ShareAcknowledge errors, the broker down, a dead-letter topic that refuses
-# writes) and those whose path runs through Spark's calls (a crash after the sink's write, replays,
-# zombie reads), the scheduled job end to end and its demo, the example pipeline run again after a kill, and Spark Connect.
+# (AvailableNow, drains, idle, restarts), the fault rows whose path runs through Spark's calls (a crash
+# after the sink's write, replays, zombie reads), the scheduled job end to end, the example pipeline run
+# again after a kill, and Spark Connect.
 JOB_RUNS = ["integration/test_job.py::test_job_end_to_end_on_the_embedded_broker",
-            "integration/test_job.py::test_job_file_without_arguments_runs_the_embedded_demo",
             # The example declarative pipeline, an update killed and run again (Spark >= 4.2; the module
             # skips itself before): its four updates in a row, 2.7 minutes, ran here by hand (docs/deploy.md).
             "integration/test_pipelines.py::test_an_update_killed_mid_flow_loses_nothing_when_run_again"]
@@ -47,23 +46,25 @@ CORE = [
     "unit/test_version_check.py",
     "integration/test_spark_versions.py",
     "integration/test_source.py",
-    "integration/test_verdicts.py",
-    "integration/faults/test_broker_faults.py",
-    "integration/faults/test_dead_letter_failures.py",
     "integration/faults/test_crash_before_commit.py",
     "integration/faults/test_replays_and_zombie_reads.py",
     *JOB_RUNS,
     "integration/test_connect.py",
 ]
-# On the oldest entry (4.0, the one furthest from 4.3) also: verdicts on batch ids that run ahead and
-# the rest of the job's tests (its configs, the notebook): wrapper code that runs the same way on every
-# Spark once the reader runs. The fault rows that kill or stop our own processes (agent, runner and
-# worker kills, stop mid-batch, task retries, a short lock) run on 4.3 only, both brokers.
+# On the oldest entry (4.0, the one furthest from 4.3) also what runs in our own code the same way on
+# every Spark once the reader runs: verdicts and dead letters (and verdicts on batch ids that run ahead),
+# the fault rows the embedded broker injects (ShareFetch and ShareAcknowledge errors, the broker down, a
+# dead-letter topic that refuses writes), and the rest of the job's tests (its demo, configs, the
+# notebook). The fault rows that kill or stop our own processes (agent, runner and worker kills, stop
+# mid-batch, task retries, a short lock) run on 4.3 only, both brokers.
 # Spark Connect differs between Sparks before 4.2 (no source progress) and from 4.2 on, where 4.2 runs it as
 # 4.3 does: 4.0 and 4.1 run test_connect.py, 4.2 leaves it to 4.3.
 CONNECT_AS_ON_4_3 = ("4.2.",)
 ON_THE_OLDEST = [t for t in CORE if t not in JOB_RUNS] + [
+    "integration/test_verdicts.py",
     "integration/faults/test_user_verdicts.py",
+    "integration/faults/test_broker_faults.py",
+    "integration/faults/test_dead_letter_failures.py",
     "integration/test_job.py",
 ]
 
@@ -167,6 +168,8 @@ def run(entry: dict, wheel: str, pytest_args: list[str], oldest: bool) -> tuple[
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", action="append", help="a PySpark version of tests/runtimes.json's 'ci' (repeatable)")
+    ap.add_argument("--prepare", action="store_true",
+                    help="only set up each entry's venv, run nothing (./dev test does it beside the embedded pass)")
     ap.add_argument("pytest_args", nargs="*", help="after --: arguments for pytest")
     args = ap.parse_args(argv)
     ci = json.load(open(RUNTIMES))["ci"]
@@ -174,6 +177,12 @@ def main(argv: list[str]) -> int:
     if not entries:
         raise SystemExit(f"spark_matrix: no entry of {RUNTIMES} matches {args.only}")
     wheel = build_wheel()
+    if args.prepare:
+        for e in entries:
+            started = time.monotonic()
+            prepare(e, wheel)
+            print(f"spark_matrix: PySpark {e['pyspark']}: venv ready in {time.monotonic() - started:.0f} s", flush=True)
+        return 0
     results = [(e, *run(e, wheel, args.pytest_args, oldest=e is ci[0])) for e in entries]
     for e, rc, took in results:
         print(f"spark_matrix: PySpark {e['pyspark']}: {'passed' if rc == 0 else f'FAILED ({rc})'} "

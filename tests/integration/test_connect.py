@@ -24,12 +24,14 @@ import spark_share
 from harness import support
 from harness.support import (
     Workload,
+    agent_processes,
     check_no_loss,
     drain_share_group,
     gid,
     ids_of,
     kafka_options,
     long_trigger,
+    runner_processes,
     summary_count,
     wait_until,
 )
@@ -376,6 +378,57 @@ def test_failure_stop_and_restart_lose_nothing(remote, kafka, tmp_path):
         runtime.read_json(runtime.final_counts_path(str(q.id)))), timeout=30, message="the drain left no final counts")
     assert final["waitedForLockedRecords"] is False, \
         "the stopped run let go of everything it held: the drain that replays its batch waits for no lock"
+
+
+def _private_tmp_command(argv: list[str]) -> list[str] | None:
+    """``argv`` in a mount namespace of its own whose /tmp is an empty tmpfs (None where this process may
+    not make one: not root, or no ``unshare``)."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return None
+    return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+            'mount -t tmpfs -o mode=1777 tmpfs /tmp && exec "$0" "$@"', *argv]
+
+
+@pytest.mark.both_read_modes
+def test_a_client_that_shares_no_file_system_with_the_server(connect_url, kafka, tmp_path):
+    """The client in a mount namespace of its own, with an empty /tmp and none of our environment variables
+    (a notebook in Databricks' sandbox): the tracker's registry and runtime directory are out of its view.
+    Verdicts in foreachBatch (which the server runs), the commit listener (on the server) and status() (from
+    the query's progress) do not need them: every record read, the rejected ones dead-lettered, 0 lost,
+    nothing left queued or running."""
+    w = Workload(kafka, "sandboxed", partitions=2)
+    ids = w.produce(300)
+    out, group = str(tmp_path / "out"), kafka.group(gid())
+    cmd = _private_tmp_command([sys.executable, os.path.join(TESTS, "integration", "connect_client_app.py"),
+                                "--remote", connect_url, "--bootstrap", kafka.bootstrap_servers, "--topic", w.topic,
+                                "--group", group, "--read-mode", support.READ_MODE, "--out", out,
+                                "--checkpoint", str(tmp_path / "ck")])
+    if cmd is None:
+        pytest.skip("a mount namespace of the client's own needs root and unshare")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARK_SHARE_")}
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    line = next((x for x in run.stdout.splitlines() if x.startswith("CLIENT ")), None)
+    assert run.returncode == 0 and line, f"the client failed (exit {run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    seen = json.loads(line[len("CLIENT "):])
+    assert seen["mountNamespace"] != os.readlink("/proc/self/ns/mnt"), "the client shared the server's mounts"
+    assert os.path.isdir(runtime.runtime_dir()) and not any(n.startswith("spark-share") for n in seen["tmp"]), \
+        f"the client saw the server's runtime directory: {seen['tmp']}"
+    assert seen["ended"] and seen["exception"] is None, seen
+
+    dead = {json.loads(bytes(r["value"]))["id"]: r["reason"] for r in _parquet_rows(out + "-dlq", ["value", "reason"])}
+    assert dead == {i: "tens" for i in ids if i % 10 == 0}
+    written = _parquet_ids(out)
+    assert sorted(written) == sorted(i for i in ids if i % 10 != 0), "a written row is missing or twice"
+    check_no_loss(ids, written, list(dead))
+    assert drain_share_group(kafka, group, [w.topic], timeout=3) == [], "records left behind"
+    if spark_versions.ADMISSION_CONTROL:
+        status = seen.get("status") or {}
+        assert status.get("view") == "lastProgress" and status.get("rejected") == 30 and \
+            status.get("accepted") == 270, seen
+    else:  # Spark < 4.2: the progress carries no source counters, and the error says where to look
+        assert "reports no source counters" in seen.get("statusError", ""), seen
+    wait_until(lambda: not agent_processes() and not runner_processes(), timeout=60,
+               message="the query's processes were left running on the server")
 
 
 @pytest.mark.embedded_only("the job runs the embedded demo")
