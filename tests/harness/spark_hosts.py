@@ -2,7 +2,9 @@
 
 A host is a network namespace (its own address on a bridge, its own ports and loopback) entered
 together with a UTS namespace (its own hostname) and a mount namespace (its own ``/tmp``, so
-spark-share's runtime directory, agents and logs are per host, as on real machines). The embedded
+spark-share's runtime directory, agents and logs are per host, as on real machines; the Spark workers and
+their executors see a read-only root file system besides, writable only under /tmp and the shared
+directory, as executor pods often do; a driver program a test starts on a worker host does not). The embedded
 broker stays in the test's process; socat makes each of its ports reachable at the same
 ``127.0.0.1:port`` on every host (the address the broker advertises). A directory outside ``/tmp``
 plays the shared filesystem (sink, checkpoint, dead letters, the driver program's results).
@@ -37,13 +39,17 @@ import time
 
 # $1 the host's name, $2 the cluster's hosts file (names resolve on every host, as with DNS), $3 the
 # host's own /tmp (kept in the shared directory, so its logs can be read after a failure), $4 where the
-# machine's /tmp stays visible; then paths under /tmp the host must still see (the repository, the
-# virtualenv: a clone under /tmp), "--", and the command.
+# machine's /tmp stays visible, $5 the shared directory, $6 "ro" for a read-only root file system; then
+# paths under /tmp the host must still see (the repository, the virtualenv: a clone under /tmp), "--", and
+# the command. A read-only root leaves writable only what is mounted apart: the host's /tmp, the paths kept
+# under it, and the shared directory (a volume, as a pod's emptyDir or a cluster's shared storage). The
+# remount is a bind remount: it changes this mount namespace's view of /, never the machine's.
 HOST_SHELL = """
-host="$1"; hosts="$2"; own_tmp="$3"; stage="$4"; shift 4
+host="$1"; hosts="$2"; own_tmp="$3"; stage="$4"; shared="$5"; root="$6"; shift 6
 hostname "$host" && mount --bind "$hosts" /etc/hosts && mount --bind /tmp "$stage" && mount --bind "$own_tmp" /tmp || exit 1
 while [ "$1" != "--" ]; do mkdir -p "/tmp/$1" && mount --bind "$stage/$1" "/tmp/$1" || exit 1; shift; done
 shift
+if [ "$root" = ro ]; then mount --bind "$shared" "$shared" && mount -o remount,bind,ro / || exit 1; fi
 exec "$@"
 """
 MASTER_PORT = 7077
@@ -188,14 +194,16 @@ class NamespaceCluster:
             _run("ip", "-n", ns, "link", "set", "lo", "up")
 
     def spawn(self, host: str, argv: list[str], env: dict | None = None, log_name: str | None = None,
-              cwd: str | None = None) -> subprocess.Popen:
-        """A process on ``host`` (its own hostname and /tmp), logging to the shared logs directory."""
+              cwd: str | None = None, read_only_root: bool = False) -> subprocess.Popen:
+        """A process on ``host`` (its own hostname and /tmp; with ``read_only_root`` a read-only root file
+        system, as executor pods' images often have), logging to the shared logs directory."""
         log_path = os.path.join(self.logs, log_name or f"{host}-{os.path.basename(argv[0])}.log")
         full_env = dict(os.environ, **(env or {}))
         with open(log_path, "ab") as log:
             p = subprocess.Popen(["ip", "netns", "exec", self.ns(host), "unshare", "--uts", "--mount",
                                   "--propagation", "private", "sh", "-c", HOST_SHELL, "sh", host, self.hosts_file,
-                                  self.host_tmp(host), self._stage(host), *self._kept_under_tmp(), "--", *argv],
+                                  self.host_tmp(host), self._stage(host), self.shared,
+                                  "ro" if read_only_root else "rw", *self._kept_under_tmp(), "--", *argv],
                                  env=full_env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd or self.shared,
                                  start_new_session=True)
         p.log_path = log_path  # type: ignore[attr-defined]
@@ -228,7 +236,7 @@ class NamespaceCluster:
         return self.spawn(host, [spark_class, "org.apache.spark.deploy.worker.Worker", self.master_url,
                                  "--host", self.hosts[host], "--port", "7078", "--webui-port", "8081",
                                  "--cores", str(self.cores), "--memory", self.memory, "--work-dir", "/tmp/spark-work"],
-                          env=self._spark_env(host), log_name=f"worker-{host}.log")
+                          env=self._spark_env(host), log_name=f"worker-{host}.log", read_only_root=True)
 
     def _wait_worker(self, host: str, registrations: int) -> None:
         """Until ``host``'s worker listens and the master has registered it ``registrations`` times (an app

@@ -8,15 +8,18 @@ what serverless compute, standard access mode and Kubernetes forbid user code on
   that is not Spark's: one a Python worker started (below pyspark's daemon, not a worker itself), or one
   that left its parent (a detached process) other than the harness's relays and probes. A container torn
   down at the earliest.
-- (c) A /tmp of its own on every host (as the cluster always has), in which nothing of spark-share appears.
+- (c) A /tmp of its own on every host and a read-only root file system for the Spark workers and their
+  executors (as the cluster always has: only /tmp and the shared directory, a volume, are writable there),
+  in which nothing of spark-share appears (checked: the root mount of every JVM on a worker host is
+  read-only).
 - (d) Dynamic allocation: executors removed after a second idle (their shuffle files kept 2 s at most) and
   added again as batches come.
 
 Under them, a drain with a task that fails once and is retried on another host, and a foreachBatch that
 raises after its write (the query restarted from its checkpoint): every record read, none lost, the watcher
-never had anything to end, no file of ours on the worker hosts. readMode=executors under (a) and (b) fails
-within 30 s naming readMode=driver. Not emulated here: a read-only root file system and the user's process in
-another mount namespace (README, "Where it runs").
+never had anything to end, no file of ours on the worker hosts. readMode=executors under (a) to (c) fails
+within 30 s naming readMode=driver. The user's process in another mount namespace than the driver: a Spark
+Connect client, in test_connect.py.
 
 Needs root, socat and iptables (./dev test installs them when it runs as root); without them the test skips,
 naming what is missing.
@@ -120,6 +123,23 @@ def _sparks_own(pid: int, cmd: bytes) -> bool:
     return False  # detached (re-parented to init)
 
 
+def root_mounts(cluster, host: str) -> dict[int, str]:
+    """The options of the root mount as each of Spark's JVMs on ``host`` sees it (its mount namespace's)."""
+    found = {}
+    for pid in cluster.pids(host):
+        if not _cmdline(pid).split(b"\0")[0].endswith(b"java"):
+            continue
+        try:
+            with open(f"/proc/{pid}/mountinfo") as f:
+                for line in f:
+                    fields = line.split()
+                    if fields[4] == "/":
+                        found[pid] = fields[5]
+        except OSError:
+            continue
+    return found
+
+
 def ours_on(cluster, host: str) -> set[str]:
     """Files of spark-share under ``host``'s /tmp (runtime directories of agents of earlier tests included)."""
     return set(glob.glob(os.path.join(cluster.host_tmp(host), "spark-share-*", "*")))
@@ -156,6 +176,9 @@ def test_driver_mode_reads_everything_on_executors_that_may_run_nothing_of_ours(
                                    "--await-executor-removal-after", "3")
         res = cluster_runs.result(app, shared, 600)
         assert not sandbox.reaches_tracker_port("w1"), "the sandbox let a worker host reach the tracker's port"
+        roots = {h: root_mounts(cluster, h) for h in workers}
+    assert all(roots.values()) and all(o.split(",")[0] == "ro" for r in roots.values() for o in r.values()), (
+        f"a worker host's root file system was writable: {roots}")
     assert res["error"] is None, res["error"]
     assert sandbox.ended == [], f"readMode=driver started processes on the executors: {sandbox.ended}"
     assert {h: ours_on(cluster, h) - before[h] for h in workers} == {h: set() for h in workers}
