@@ -57,6 +57,11 @@ CORE = [
 # dead-letter topic that refuses writes), and the rest of the job's tests (its demo, configs, the
 # notebook). The fault rows that kill or stop our own processes (agent, runner and worker kills, stop
 # mid-batch, task retries, a short lock) run on 4.3 only, both brokers.
+# Tests of the core files above that run only our own code (option checks, our sockets, secrets in our
+# texts): on the oldest entry, not again on the others.
+OURS_IN_THE_CORE = ["integration/test_source.py::test_bad_setup_fails_fast_with_a_clear_error",
+                    "integration/test_source.py::test_sockets_refuse_peers_without_the_secret",
+                    "integration/test_source.py::test_secrets_never_leak"]
 # Spark Connect differs between Sparks before 4.2 (no source progress) and from 4.2 on, where 4.2 runs it as
 # 4.3 does: 4.0 and 4.1 run test_connect.py, 4.2 leaves it to 4.3.
 CONNECT_AS_ON_4_3 = ("4.2.",)
@@ -136,10 +141,12 @@ def prepare(entry: dict, wheel: str) -> str:
 
 
 def tests_of(entry: dict, oldest: bool) -> list[str]:
+    """The entry's pytest arguments: test files, and the tests of them it leaves out."""
     tests = ON_THE_OLDEST if oldest else CORE
     if entry["pyspark"].startswith(CONNECT_AS_ON_4_3):
         tests = [t for t in tests if t != "integration/test_connect.py"]
-    return tests
+    # Node ids are relative to the rootdir (the repository), not to tests/ where pytest runs.
+    return tests + ([] if oldest else [a for t in OURS_IN_THE_CORE for a in ("--deselect", f"tests/{t}")])
 
 
 def run(entry: dict, wheel: str, pytest_args: list[str], oldest: bool) -> tuple[int, float]:
