@@ -96,6 +96,16 @@ def missing_requirements() -> list[str]:
     return missing
 
 
+def kept_under_tmp(*more: str) -> list[str]:
+    """Paths under /tmp that a process with a /tmp of its own must still see, relative to /tmp: this
+    repository and the virtualenv (with pyspark), and ``more``, when they are there (a CI clone)."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/harness/ -> the repository
+    found = sorted({os.path.realpath(p) for p in (repo, sys.prefix, *more)})
+    under = [p for p in found if p.startswith("/tmp/")]
+    outer = [p for p in under if not any(p != q and p.startswith(q + "/") for q in under)]
+    return [p[len("/tmp/"):] for p in outer]
+
+
 class NamespaceCluster:
     """``workers`` worker hosts (``cores`` each) and a driver host that also runs the master."""
 
@@ -142,13 +152,7 @@ class NamespaceCluster:
         return path
 
     def _kept_under_tmp(self) -> list[str]:
-        """Paths under /tmp that every host must see, relative to /tmp: this repository and the
-        virtualenv (with pyspark), when they are there (a CI clone)."""
-        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/harness/ -> the repository
-        found = sorted({os.path.realpath(p) for p in (repo, sys.prefix, self.spark_home)})
-        under = [p for p in found if p.startswith("/tmp/")]
-        outer = [p for p in under if not any(p != q and p.startswith(q + "/") for q in under)]
-        return [p[len("/tmp/"):] for p in outer]
+        return kept_under_tmp(self.spark_home)
 
     @property
     def master_url(self) -> str:

@@ -44,7 +44,8 @@ def main(argv: list[str]) -> int:
           .option("kafka.group.id", args.group).option("subscribe", args.topic)
           .option("readMode", args.read_mode).option("deadLetterPath", out + "-dlq").load())
     q = spark_share.drain(df.writeStream.foreachBatch(process).option("checkpointLocation", args.checkpoint))
-    seen: dict = {"mountNamespace": os.readlink("/proc/self/ns/mnt"), "tmp": sorted(os.listdir("/tmp"))}
+    seen: dict = {"queryId": str(q.id), "mountNamespace": os.readlink("/proc/self/ns/mnt"),
+                  "tmp": sorted(os.listdir("/tmp"))}
     try:
         seen["ended"] = bool(q.awaitTermination(180))
         seen["exception"] = str(q.exception()) if q.exception() else None

@@ -169,7 +169,7 @@ def _rate(batches: list[dict]) -> float:
 LOSS_LOCK_S = 10
 
 
-def test_a_host_lost_mid_stream(cluster, kafka):
+def test_a_host_lost_mid_stream(cluster, kafka, request):
     """One worker host dies (its worker, executor, Python workers and agent: SIGKILL) in the middle
     of a stream: the query goes on on the other hosts, nothing is lost, the records the host held come
     back once (no record is delivered more than twice: nothing of ours raises a delivery count on the
@@ -201,6 +201,7 @@ def test_a_host_lost_mid_stream(cluster, kafka):
         victim = "w2"
         killed_at = time.time()
         killed = cluster.kill_host(victim)
+        request.addfinalizer(lambda: cluster.revive(victim))  # the session's cluster, whole for the tests after
         assert killed, "nothing ran on the host"
         before = [b for b in batches() if b["t"] <= killed_at]
         wait_until(lambda: len(batches()) >= len(before) + 12 or app.poll() is not None, timeout=300, interval=1,

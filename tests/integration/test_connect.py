@@ -16,6 +16,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 
 import pyarrow.parquet as pq
 import pytest
@@ -380,13 +381,19 @@ def test_failure_stop_and_restart_lose_nothing(remote, kafka, tmp_path):
         "the stopped run let go of everything it held: the drain that replays its batch waits for no lock"
 
 
-def _private_tmp_command(argv: list[str]) -> list[str] | None:
-    """``argv`` in a mount namespace of its own whose /tmp is an empty tmpfs (None where this process may
-    not make one: not root, or no ``unshare``)."""
+def _private_tmp_command(argv: list[str], stage: str) -> list[str] | None:
+    """``argv`` in a mount namespace of its own whose /tmp is an empty tmpfs but for this repository and its
+    virtualenv when they are under /tmp (a CI clone), bound there from ``stage``, a directory outside /tmp
+    (None where this process may not make one: not root, or no ``unshare``)."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         return None
-    return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
-            'mount -t tmpfs -o mode=1777 tmpfs /tmp && exec "$0" "$@"', *argv]
+    from harness.spark_hosts import kept_under_tmp
+
+    script = ('stage="$1"; shift; mount --bind /tmp "$stage" && mount -t tmpfs -o mode=1777 tmpfs /tmp || exit 1\n'
+              'while [ "$1" != "--" ]; do mkdir -p "/tmp/$1" && mount --bind "$stage/$1" "/tmp/$1" || exit 1; shift; done\n'
+              'shift; exec "$@"')
+    return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh", stage,
+            *kept_under_tmp(), "--", *argv]
 
 
 @pytest.mark.both_read_modes
@@ -399,21 +406,27 @@ def test_a_client_that_shares_no_file_system_with_the_server(connect_url, kafka,
     w = Workload(kafka, "sandboxed", partitions=2)
     ids = w.produce(300)
     out, group = str(tmp_path / "out"), kafka.group(gid())
-    cmd = _private_tmp_command([sys.executable, os.path.join(TESTS, "integration", "connect_client_app.py"),
-                                "--remote", connect_url, "--bootstrap", kafka.bootstrap_servers, "--topic", w.topic,
-                                "--group", group, "--read-mode", support.READ_MODE, "--out", out,
-                                "--checkpoint", str(tmp_path / "ck")])
-    if cmd is None:
-        pytest.skip("a mount namespace of the client's own needs root and unshare")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARK_SHARE_")}
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    stage = tempfile.mkdtemp(prefix="connect-client-stage-", dir="/var/tmp")
+    try:
+        cmd = _private_tmp_command([sys.executable, os.path.join(TESTS, "integration", "connect_client_app.py"),
+                                    "--remote", connect_url, "--bootstrap", kafka.bootstrap_servers, "--topic",
+                                    w.topic, "--group", group, "--read-mode", support.READ_MODE, "--out", out,
+                                    "--checkpoint", str(tmp_path / "ck")], stage)
+        if cmd is None:
+            pytest.skip("a mount namespace of the client's own needs root and unshare")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SPARK_SHARE_")}
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        os.rmdir(stage)  # the namespace's mounts on it ended with the client
     line = next((x for x in run.stdout.splitlines() if x.startswith("CLIENT ")), None)
     assert run.returncode == 0 and line, f"the client failed (exit {run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     seen = json.loads(line[len("CLIENT "):])
     assert seen["mountNamespace"] != os.readlink("/proc/self/ns/mnt"), "the client shared the server's mounts"
-    assert os.path.isdir(runtime.runtime_dir()) and not any(n.startswith("spark-share") for n in seen["tmp"]), \
-        f"the client saw the server's runtime directory: {seen['tmp']}"
     assert seen["ended"] and seen["exception"] is None, seen
+    # The run's tracker kept its files in the server's /tmp, where the client saw nothing of ours.
+    wait_until(lambda: runtime.read_json(runtime.final_counts_path(seen["queryId"])), timeout=30,
+               message="the run's tracker left no final counts in the server's runtime directory")
+    assert not any(n.startswith("spark-share") for n in seen["tmp"]), f"the client saw our files: {seen['tmp']}"
 
     dead = {json.loads(bytes(r["value"]))["id"]: r["reason"] for r in _parquet_rows(out + "-dlq", ["value", "reason"])}
     assert dead == {i: "tens" for i in ids if i % 10 == 0}

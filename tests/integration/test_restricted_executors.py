@@ -177,8 +177,9 @@ def test_driver_mode_reads_everything_on_executors_that_may_run_nothing_of_ours(
         res = cluster_runs.result(app, shared, 600)
         assert not sandbox.reaches_tracker_port("w1"), "the sandbox let a worker host reach the tracker's port"
         roots = {h: root_mounts(cluster, h) for h in workers}
+    # Every worker host runs a Spark worker, whose JVM and its executors' see a read-only root.
     assert all(roots.values()) and all(o.split(",")[0] == "ro" for r in roots.values() for o in r.values()), (
-        f"a worker host's root file system was writable: {roots}")
+        f"a worker host ran no Spark JVM, or its root file system was writable: {roots}")
     assert res["error"] is None, res["error"]
     assert sandbox.ended == [], f"readMode=driver started processes on the executors: {sandbox.ended}"
     assert {h: ours_on(cluster, h) - before[h] for h in workers} == {h: set() for h in workers}
