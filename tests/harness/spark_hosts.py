@@ -151,9 +151,6 @@ class NamespaceCluster:
         os.makedirs(path, exist_ok=True)
         return path
 
-    def _kept_under_tmp(self) -> list[str]:
-        return kept_under_tmp(self.spark_home)
-
     @property
     def master_url(self) -> str:
         return f"spark://{self.hosts['driver']}:{MASTER_PORT}"
@@ -207,7 +204,7 @@ class NamespaceCluster:
             p = subprocess.Popen(["ip", "netns", "exec", self.ns(host), "unshare", "--uts", "--mount",
                                   "--propagation", "private", "sh", "-c", HOST_SHELL, "sh", host, self.hosts_file,
                                   self.host_tmp(host), self._stage(host), self.shared,
-                                  "ro" if read_only_root else "rw", *self._kept_under_tmp(), "--", *argv],
+                                  "ro" if read_only_root else "rw", *kept_under_tmp(self.spark_home), "--", *argv],
                                  env=full_env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd or self.shared,
                                  start_new_session=True)
         p.log_path = log_path  # type: ignore[attr-defined]

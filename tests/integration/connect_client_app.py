@@ -48,7 +48,8 @@ def main(argv: list[str]) -> int:
                   "tmp": sorted(os.listdir("/tmp"))}
     try:
         seen["ended"] = bool(q.awaitTermination(180))
-        seen["exception"] = str(q.exception()) if q.exception() else None
+        failure = q.exception()
+        seen["exception"] = str(failure) if failure else None
         try:
             seen["status"] = spark_share.status(q)
         except VerdictError as e:
