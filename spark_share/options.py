@@ -177,8 +177,13 @@ OPTIONS: tuple[Option, ...] = (
            "does (serverless, standard access mode, Kubernetes, dynamic allocation). `executors`: an agent "
            "process of spark-share on each executor host acquires the records its read tasks return, so "
            "reading scales past one driver's network and CPU (needs executors that may start a process that "
-           "outlives a task, open a Unix socket in /tmp and reach `trackerPort` on the driver). See "
+           "outlives a task, open a Unix socket and reach `trackerPort` on the driver). See "
            "docs/performance.md"),
+    Option("agentCacheBytes", "agent_cache_bytes", None, integer(0, 2**40),
+           "`readMode=executors` only: how many bytes of acquired, not yet acknowledged batches an executor's "
+           "agent keeps in memory (re-reads and retries get them from there). Past it, a batch waits in a file "
+           "in the executor's Spark local dir, memory-mapped (the operating system may drop its pages). "
+           "Default: 256 MiB"),
 )
 _BY_NAME = {o.name.lower(): o for o in OPTIONS}
 
@@ -263,7 +268,8 @@ class ShareSourceOptions:
     max_delivery_count: int | None
     max_record_locks: int | None  # the broker's in-flight cap per partition, if the user gave it
     tracker_ports: tuple[int, int]  # first and last port the tracker may listen on; (0, 0): any
-    read_mode: str  # "executors" (an agent per executor host) or "driver" (the consumers beside the tracker)
+    read_mode: str  # "executors" (an agent per executor) or "driver" (the consumers beside the tracker)
+    agent_cache_bytes: int | None  # an agent's cached batches in memory (consumers.spill), if the user gave it
     # kafka.* options other than bootstrap servers and group id, prefix removed.
     kafka: dict[str, str]
 
@@ -357,6 +363,9 @@ def _check_together(opts: ShareSourceOptions) -> None:
     if opts.dead_letter_topic in opts.topics:
         raise OptionError(f"option 'deadLetterTopic' = {opts.dead_letter_topic!r} is also subscribed: "
                           "rejected records would come back")
+    if opts.agent_cache_bytes is not None and opts.read_mode != "executors":
+        raise OptionError("option 'agentCacheBytes' bounds the memory of the agents of readMode=executors; "
+                          "with readMode=driver no agent runs on the executors: remove it, or set readMode to executors")
     if opts.max_delivery_count is not None and not opts.dead_letter:
         raise OptionError("option 'maxDeliveryCount' needs a dead-letter target ('deadLetterTopic' or 'deadLetterPath') "
                           "so the records it rejects can be found")

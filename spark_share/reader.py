@@ -60,7 +60,7 @@ def _start_agent_early(t) -> None:
     try:
         ensure_agent(t.address, t.tracker_id, t.secret, t.opts).close()
     except Exception as e:  # the first read task starts it then, and reports what fails
-        log.info("starting this host's spark-share agent ahead of the first read failed: %s",
+        log.info("starting this executor's spark-share agent ahead of the first read failed: %s",
                  scrub(str(e), t.opts.secret_values()))
 
 
@@ -159,7 +159,7 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if hasattr(partition, "ipc"):  # readMode=driver: the rows came in the task
             yield from records.from_ipc(partition.ipc)
             return
-        yield from read_task.read(partition, self.opts)  # executor side: this host's agent serves it
+        yield from read_task.read(partition, self.opts)  # executor side: this executor's agent serves it
 
 
 class _StopOnSigterm:

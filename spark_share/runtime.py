@@ -1,15 +1,18 @@
-"""This host's runtime directory: every file spark-share keeps there, the query registry, logging.
+"""Where spark-share keeps files on a host: the driver host's runtime directory (the query registry,
+the tracker's files) and an executor's agent directory; logging.
 
-Owns: the owner-only directory (``SPARK_SHARE_RUNTIME_DIR``, else ``/tmp/spark-share-<uid>``), the
-name of every file in it (agent sockets, spawn and liveness locks, logs, query registry entries,
-checkpoint notes), writing and reading the registry entry through which the user's process finds a
-query's tracker, removing what no live process owns, and the log handlers of our processes.
+Owns: the owner-only runtime directory (``SPARK_SHARE_RUNTIME_DIR``, else ``/tmp/spark-share-<uid>``), the
+agent directory of an executor (its first Spark local dir: per application, removed by Spark), the name
+of every file in them (spawn and liveness locks, logs, query registry entries, checkpoint notes) and of
+an agent's socket (abstract: no file), writing and reading the registry entry through which the user's
+process finds a query's tracker, removing what no live process owns, and the log handlers of our processes.
 
 Must never: import the agent, the tracker or Spark (every process of ours uses it), or write a
 file other users can read (registry entries hold the per-query secret).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -26,7 +29,8 @@ LOG_MAX_BYTES = 10 << 20  # a tracker log rotates at this size...
 LOG_BACKUPS = 3  # ...keeping this many older files
 AGENT_LOG_RUNS = 20  # the agent logs of this many query runs are kept on a host (their own rotation caps each)
 _SAFE_ID = re.compile(r"[0-9a-f]{16}")  # a tracker id (it names files here)
-ORPHAN_AGE_S = 3600.0  # an agent's socket and lock files unused this long, with no holder, are removed
+ORPHAN_AGE_S = 3600.0  # an agent's lock files unused this long, with no holder, are removed
+ABSTRACT_PREFIX = "spark-share-agent-"  # of every agent's socket name (tests find agents by it)
 
 
 def runtime_dir() -> str:
@@ -41,14 +45,33 @@ def runtime_dir() -> str:
     return base
 
 
+def agent_dir() -> str:
+    """Where an executor's agent keeps its files: the executor's first Spark local dir, which Spark gives
+    its Python processes (``SPARK_LOCAL_DIRS``: ``spark.local.dir``, YARN's container dirs, a Kubernetes
+    pod's volume). It belongs to one application (one executor) and Spark removes it, so one user's
+    applications share nothing and a read-only root costs nothing. A ``SPARK_SHARE_RUNTIME_DIR`` the user
+    set wins (to keep agents' logs past the application); outside Spark, the runtime directory."""
+    if os.environ.get("SPARK_SHARE_RUNTIME_DIR"):
+        return runtime_dir()
+    for d in (os.environ.get("SPARK_LOCAL_DIRS") or "").split(","):
+        if d and os.path.isdir(d) and os.access(d, os.W_OK | os.X_OK):
+            return d
+    return runtime_dir()
+
+
 # --- file names ---------------------------------------------------------------------------------
 def agent_base(tracker_id: str) -> str:
-    """Prefix of the agent's files of one query run: ``.sock``, ``.spawn``, ``.alive``, ``.log``."""
-    return os.path.join(runtime_dir(), f"agent-{tracker_id}")
+    """Prefix of the agent's files of one query run in this executor: ``.spawn``, ``.alive``, ``.log``."""
+    return os.path.join(agent_dir(), f"agent-{tracker_id}")
 
 
-def agent_socket_path(tracker_id: str) -> str:
-    return agent_base(tracker_id) + ".sock"
+def agent_address(tracker_id: str) -> str:
+    """The agent's Unix socket, in the abstract namespace: no file to leave behind or to fit in 108 bytes
+    (a local dir's path is longer), gone with the agent. Any local process may connect; only a peer that
+    proves the query's secret is admitted (``endpoints``). Named by the run and by the agent directory:
+    each executor of a host has its own agent."""
+    where = hashlib.sha256(os.path.realpath(agent_dir()).encode()).hexdigest()[:16]
+    return f"\0{ABSTRACT_PREFIX}{tracker_id}-{where}"
 
 
 def agent_log_path(tracker_id: str) -> str:
@@ -181,11 +204,9 @@ def live_run_entries() -> list[dict]:
 def prune(max_age_s: float = LOG_RETENTION_S, orphan_age_s: float = ORPHAN_AGE_S) -> list[str]:
     """Remove what no live process of ours owns (run when a tracker starts): logs untouched for a
     week, registry entries of trackers that are gone, checkpoint notes and final counts of queries long
-    gone, and the
-    socket and lock files of killed agents (at once when their tracker is gone too, else an hour on:
-    a live tracker may start a new agent), the life locks of killed trackers, and TLS key files
-    left by a process killed while loading one (``transport.tls``). Returns the names
-    removed."""
+    gone, the lock files of killed agents (at once when their tracker is gone too, else an hour on: a
+    live tracker may start a new agent), the life locks of killed trackers, and TLS key files left by a
+    process killed while loading one (``transport.tls``). Returns the names removed."""
     base = runtime_dir()
     now = time.time()
     removed = []
@@ -214,15 +235,19 @@ def prune(max_age_s: float = LOG_RETENTION_S, orphan_age_s: float = ORPHAN_AGE_S
         if gone:
             remove(path)
             removed.append(name)
-    return removed + prune_agent_files(max_age_s, orphan_age_s)
+    removed += prune_agent_files(max_age_s, orphan_age_s, base)
+    if agent_dir() != base:  # local mode: this process's agent keeps its files in the driver's local dir
+        removed += prune_agent_files(max_age_s, orphan_age_s)
+    return removed
 
 
-def prune_agent_files(max_age_s: float = LOG_RETENTION_S, orphan_age_s: float = ORPHAN_AGE_S) -> list[str]:
-    """Remove what agents of ended runs left on this host (run when an agent or a tracker starts: an
-    executor host may never see a tracker): the socket and lock files of killed agents (at once when
-    their tracker is gone or elsewhere, else an hour on), and agent logs untouched for a week or beyond
-    the newest ``AGENT_LOG_RUNS`` runs' whose agents have ended."""
-    base = runtime_dir()
+def prune_agent_files(max_age_s: float = LOG_RETENTION_S, orphan_age_s: float = ORPHAN_AGE_S,
+                      base: str | None = None) -> list[str]:
+    """Remove what agents of ended runs left in an agent directory (``agent_dir()`` unless ``base``; run when
+    an agent or a tracker starts: an executor may never see a tracker): the lock files of killed agents
+    (at once when their tracker is gone or elsewhere, else an hour on), and agent logs untouched for a
+    week or beyond the newest ``AGENT_LOG_RUNS`` runs' whose agents have ended."""
+    base = base or agent_dir()
     now = time.time()
     removed = []
     logs: dict[str, list[tuple[float, str]]] = {}
@@ -237,6 +262,9 @@ def prune_agent_files(max_age_s: float = LOG_RETENTION_S, orphan_age_s: float = 
         if name.endswith(".spawn"):
             if now - mtime > orphan_age_s or not _tracker_alive(name[len("agent-"):-len(".spawn")]):
                 removed += _remove_orphan_agent_files(path[:-len(".spawn")])
+        elif name.endswith(".sock") and not _lock_held(path[:-len(".sock")] + ".alive"):
+            remove(path)  # a socket file of a version before abstract sockets
+            removed.append(name)
         elif ".log" in name:
             logs.setdefault(name[:name.index(".log")], []).append((mtime, name))
     newest_first = sorted(logs, key=lambda run: max(logs[run]), reverse=True)
@@ -264,13 +292,13 @@ def _remove_orphan_agent_files(base: str) -> list[str]:
             os.close(fd)
         return []
     try:
-        for suffix in (".sock", ".alive", ".spawn"):
+        for suffix in (".alive", ".spawn"):
             remove(base + suffix)
     finally:
         for fd in fds:
             os.close(fd)
     name = os.path.basename(base)
-    return [name + s for s in (".sock", ".alive", ".spawn")]
+    return [name + s for s in (".alive", ".spawn")]
 
 
 class _OwnerOnlyRotatingFile(RotatingFileHandler):

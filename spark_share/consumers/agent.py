@@ -1,15 +1,17 @@
-"""The executor-side agent: one long-lived process per (query run, host) that owns share consumers.
+"""The executor-side agent: one long-lived process per (query run, executor) that owns share consumers.
 
-Owns: the share sessions of this host (which one a read polls with: ``pool``), the records each
+Owns: the share sessions of this executor (which one a read polls with: ``pool``), the records each
 (batch, slot) acquired (cached as Arrow IPC until acknowledged, so every re-read of a batch sees the same
-rows), and the tracker's commands (start a planned batch's polls, hand a cached batch to another host,
-shut down; its acknowledgements and dead letters are ``agent_acks``'). Read tasks reach it over a Unix
-socket only the owner can open, authenticated with the per-query secret; it reaches the tracker over TCP
-with the same secret. Under readMode=driver it runs as threads of the source runner, without its socket.
+rows; past ``agentCacheBytes`` in the executor's local dir: ``spill``), and the tracker's commands (start a
+planned batch's polls, hand a cached batch to another host, shut down; its acknowledgements and dead
+letters are ``agent_acks``'). Read tasks reach it over an abstract Unix socket, admitted with the
+per-query secret; it reaches the tracker over TCP with the same secret. Under readMode=driver it runs as
+threads of the source runner, without its socket.
 
-Started by the first ``read()`` on a host (``launcher.ensure_agent``; in local mode by the source
+Started by the first ``read()`` in an executor (``launcher.ensure_agent``; in local mode by the source
 runner when the query starts), detached from the Python worker so that Spark recycling or killing
-workers does not take acquired records with it.
+workers does not take acquired records with it; it leaves once its executor is gone and what it holds
+is acknowledged (``executor_life``).
 
 Must never: acknowledge anything the tracker did not ask for, poll a session that still holds
 records no acknowledgement has been queued for, receive Kafka credentials over a socket (they come
@@ -50,10 +52,12 @@ from ..transport.protocol import (
     call,
     dispatcher,
 )
-from . import records
+from . import executor_life, records
 from .agent_acks import AgentAcknowledgements, Cached
 from .pool import SessionPool, poll_budget
 from .session_stats import stats_interval_ms
+from .spill import DEFAULT_BYTES as DEFAULT_CACHE_BYTES
+from .spill import SpillBudget
 
 log = logging.getLogger("spark_share.consumers.agent")
 CLOSE_WAIT_S = 30.0  # at shutdown, for the consumers to close (their releases wait for the broker)
@@ -81,6 +85,7 @@ class Agent(AgentAcknowledgements):
         self._inflight: dict[tuple[int, int], threading.Event] = {}
         self._session_seq = 0
         self._shutting_down = False
+        self._orphaned = False  # its executor exited: it leaves once what it holds is acknowledged
         self.done = threading.Event()
         # An Ack is queued on the consumers on the wire's loop, as it arrives: the tracker does not wait
         # for it (at scale that wait was most of latestOffset), and a claim's answer, which comes behind
@@ -107,9 +112,13 @@ class Agent(AgentAcknowledgements):
                                                  producer_config)
             self._deadletters.connect()
         self.pool.start(int(hello.get("slots", 1)))
+        # Batches wait for their acknowledgement here, past the budget in the executor's local dir; in the
+        # source runner (no ``serve``) their rows are in Spark's task payloads anyway.
+        limit = DEFAULT_CACHE_BYTES if hello.get("cache_bytes") is None else int(hello["cache_bytes"])
+        self._budget = SpillBudget(limit, runtime.agent_dir()) if serve else None
         # Without ``serve`` (readMode=driver: this agent lives in the source runner) no read task reaches it:
         # the runner reads each slot itself as Spark plans the batch.
-        self.server = endpoints.RpcServer(runtime.agent_socket_path(tracker_id), secret,
+        self.server = endpoints.RpcServer(runtime.agent_address(tracker_id), secret,
                                           dispatcher(self, TASK_TO_AGENT), name="agent",
                                           scrub=self._scrub) if serve else None
 
@@ -132,7 +141,9 @@ class Agent(AgentAcknowledgements):
     def _on_ping(self, conn, m: Ping) -> dict:
         with self._lock:
             cached = len(self._cache)
-        return {"agent_id": self.agent_id, "sessions": len(self.pool), "cached": cached}
+        b = self._budget
+        return {"agent_id": self.agent_id, "sessions": len(self.pool), "cached": cached,
+                "cached_in_memory": b.in_memory if b else None, "spilled": b.spilled if b else 0}
 
     def read_slot(self, batch: int, slot: int, max_records, poll_timeout_ms: int, query_id, spark_batch,
               connect_session=None, lent: int = 0):
@@ -221,6 +232,9 @@ class Agent(AgentAcknowledgements):
                            full=rb if self.config.get("dead_letter") else None, query_id=query_id)
             if not rb.num_rows:
                 self.pool.give_back(session)
+            if self._budget is not None and rb.num_rows:
+                self._budget.admit(entry)
+                ipc = entry.ipc
             with self._lock:
                 self._cache[key] = entry
             session = None
@@ -316,7 +330,7 @@ class Agent(AgentAcknowledgements):
         self.done.set()
 
     def _leave_host(self) -> None:
-        """This run's files on the host removed and the life lock let go, before the consumers finish closing
+        """This run's files in the executor removed and the life lock let go, before the consumers finish closing
         (which waits for the broker: up to CLOSE_WAIT_S when the network is cut): a read task of the same run
         (the tracker was only cut off) starts a new agent at once instead of waiting for this one to end."""
         base = runtime.agent_base(self.tracker_id)
@@ -363,6 +377,8 @@ def main() -> None:
         sys.stdout.write(f"ERROR {why}\n")
         sys.stdout.flush()
         os._exit(1)
+    if params.get("executor_pid"):
+        executor_life.when_gone(int(params["executor_pid"]), agent.executor_gone)
     # What start-up left (the imports of pyarrow, pandas, confluent-kafka) is never garbage: out of
     # the collector's sight, a full collection no longer walks it (one cost a poll 4x its CPU).
     gc.freeze()

@@ -1,6 +1,6 @@
 """The agent's part in acknowledgement: a batch's verdicts staged as they come, its acknowledgements queued
-on the consumers that acquired its records, what the broker answered, and its rejected records written
-to the dead-letter target.
+on the consumers that acquired its records, what the broker answered, its rejected records written
+to the dead-letter target, and, once its executor is gone, leaving when nothing it holds is unacknowledged.
 
 A mixin of ``agent.Agent``, which owns the state named below; ``Cached`` is what an acquired (batch, slot)
 holds until its acknowledgement. Must never: acknowledge a batch the tracker did not ask for (only ``Ack`` queues one), or poll: an
@@ -8,6 +8,7 @@ acknowledgement is queued ahead of its session's next poll, which the pool hands
 """
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -18,6 +19,9 @@ from ..errors import AgentError
 from ..transport.protocol import Ack, AckResult, DeadLetter, Stage
 from ..verdict_set import VerdictSet
 from .pool import SessionPool
+from .spill import SpillBudget
+
+log = logging.getLogger("spark_share.consumers.agent")
 
 if TYPE_CHECKING:
     from .session import ShareSession
@@ -33,6 +37,7 @@ class Cached:
     held: int                  # records the session holds for this slot (poison ones included)
     full: object | None = None  # every record acquired, headers included: the dead-letter source
     query_id: str | None = None
+    in_memory: int = 0  # bytes of ipc and full the agent's SpillBudget counts in memory (0: none, or mapped)
 
 
 class AgentAcknowledgements:
@@ -41,9 +46,15 @@ class AgentAcknowledgements:
     pool: SessionPool
     _lock: threading.Lock
     _cache: dict[tuple[int, int], Cached]
+    _budget: SpillBudget | None
     _acks: dict[int, tuple]
     _staged: dict[tuple[int, str], list]
     _deadletters: Any
+
+    _orphaned: bool
+    agent_id: str
+
+    def shutdown(self) -> None: ...  # the agent's
 
     def _on_stage(self, conn, m: Stage, blob) -> dict:
         with self._lock:
@@ -61,8 +72,9 @@ class AgentAcknowledgements:
     def _on_ack(self, conn, m: Ack) -> dict:
         return self._ack(m.batch, self._staged_set(m.batch, "ack", m.staged), m.default, m.timeout_s)
 
-    def _on_ack_result(self, conn, m: AckResult) -> dict:
-        return self._ack_result(m.batch)
+    def _on_ack_result(self, conn, m: AckResult) -> tuple:
+        # The broker's answers reach the tracker before an agent whose executor is gone leaves (``then``).
+        return self._ack_result(m.batch), b"", self.leave_if_orphaned
 
     def _on_dead_letter(self, conn, m: DeadLetter) -> dict:
         return self._dead_letter(m.batch, self._staged_set(m.batch, "deadletter", m.staged), m.query_id)
@@ -89,6 +101,8 @@ class AgentAcknowledgements:
             futs = {}
             for e in entries:
                 self._cache.pop((e.batch, e.slot), None)
+                if self._budget is not None:
+                    self._budget.release(e)
                 if e.session is None:
                     continue
                 if default == ACCEPT:
@@ -110,3 +124,17 @@ class AgentAcknowledgements:
             except Exception as ex:
                 out[str(slot)] = {"failed": held, "errors": {type(ex).__name__: held}}
         return {"slots": out}
+
+    def executor_gone(self) -> None:
+        """The executor that started this agent exited (dynamic allocation removed it, its pod ended): no read
+        task reaches this agent again, so it leaves once the tracker has acknowledged what it holds."""
+        log.info("agent %s: its executor exited; leaving once the %d slots it holds are acknowledged",
+                 self.agent_id, len(self._cache))
+        self._orphaned = True
+        self.leave_if_orphaned()
+
+    def leave_if_orphaned(self) -> None:
+        with self._lock:
+            done = self._orphaned and not self._cache and not self._acks
+        if done:
+            threading.Thread(target=self.shutdown, name="agent-shutdown", daemon=True).start()

@@ -76,7 +76,7 @@ class AgentRoster:
                 "include_headers": o.include_headers, "slots": slots, "dead_letter": o.dead_letter,
                 "dead_letter_topic": o.dead_letter_topic, "dead_letter_path": o.dead_letter_path,
                 "max_delivery_count": o.max_delivery_count, "dead_after_s": self.policy.dead_after_s,
-                "partitions": self.policy.partitions}
+                "partitions": self.policy.partitions, "cache_bytes": o.agent_cache_bytes}
 
     def left(self, conn: wire.RpcConnection, stopping: bool) -> None:
         agent_id = conn.info.get("agent_id")

@@ -1,9 +1,10 @@
-"""Finding or starting this host's agent, from a read task (a Python worker), or in local mode from
+"""Finding or starting this executor's agent, from a read task (a Python worker), or in local mode from
 the source runner as the query starts.
 
-Owns: connecting a read task to the agent of its query run on this host, and starting that agent
+Owns: connecting a read task to the agent of its query run in this executor, and starting that agent
 when none runs: one spawner at a time (``.spawn`` lock), an agent's life marked by a lock it holds
-(``.alive``), its parameters and Kafka client configs handed over on a pipe.
+(``.alive``), its parameters and Kafka client configs handed over on a pipe. Its files are in the
+executor's Spark local dir (``runtime.agent_dir``), its socket is abstract.
 
 Must never: hold a consumer or any state beyond the call (Python workers come and go), pass a
 credential on a command line or a socket, or wait without a bound.
@@ -19,6 +20,7 @@ import sys
 import time
 
 from .. import runtime
+from ..consumers import executor_life
 from ..errors import AgentError
 from ..transport import endpoints, wire
 
@@ -27,7 +29,7 @@ SPAWN_TIMEOUT_S = 60.0
 
 def ensure_agent(tracker_addr: tuple[str, int], tracker_id: str, secret: str, opts,
                  timeout: float = 10.0) -> wire.RpcConnection:
-    """Connect to this host's agent for the tracker, starting it if it is not running.
+    """Connect to this executor's agent for the tracker, starting it if it is not running.
 
     The Kafka client configs (credentials included) reach a new agent from ``opts``, the options
     Spark shipped with the read task, through a pipe: they never cross a socket of ours.
@@ -37,18 +39,19 @@ def ensure_agent(tracker_addr: tuple[str, int], tracker_id: str, secret: str, op
     inherited file description), so it is held as long as an agent serves, starting or not. An agent
     that stops lets it go as it closes its socket (``Agent._leave_host``): a read task that finds
     neither a socket nor a held lock starts the next one."""
-    path = runtime.agent_socket_path(tracker_id)
+    address = runtime.agent_address(tracker_id)
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
     while True:
         try:
-            return endpoints.connect(path, secret, timeout=timeout, name="task")
-        except (FileNotFoundError, ConnectionRefusedError):
+            return endpoints.connect(address, secret, timeout=timeout, name="task")
+        except ConnectionRefusedError:  # no agent listens (an abstract socket goes with its process)
             pass
         if _spawn_unless_alive(tracker_addr, tracker_id, secret, opts):
-            return endpoints.connect(path, secret, timeout=timeout, name="task")
+            return endpoints.connect(address, secret, timeout=timeout, name="task")
         if time.monotonic() > deadline:
-            raise AgentError(f"the spark-share agent did not open {path} within {SPAWN_TIMEOUT_S:.0f} s")
-        time.sleep(0.05)  # an agent is starting (its socket is not there yet): a bounded poll for a file
+            raise AgentError(f"the spark-share agent did not open its socket within {SPAWN_TIMEOUT_S:.0f} s; "
+                             f"see {runtime.agent_log_path(tracker_id)}")
+        time.sleep(0.05)  # an agent is starting (its socket is not open yet): a bounded poll
 
 
 def _spawn_unless_alive(tracker_addr, tracker_id: str, secret: str, opts) -> bool:
@@ -64,7 +67,6 @@ def _spawn_unless_alive(tracker_addr, tracker_id: str, secret: str, opts) -> boo
             os.close(alive_fd)
             return False
         try:
-            runtime.remove(runtime.agent_socket_path(tracker_id))  # left by an agent that was killed
             _spawn_agent(tracker_addr, tracker_id, secret, opts, alive_fd)
         finally:
             os.close(alive_fd)  # the agent keeps its own copy of the locked description
@@ -84,11 +86,11 @@ def _spawn_agent(tracker_addr, tracker_id: str, secret: str, opts, alive_fd: int
         proc = subprocess.Popen(
             [sys.executable, "-m", "spark_share.consumers.agent"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf,
-            close_fds=True, pass_fds=(alive_fd,), start_new_session=True, cwd=runtime.runtime_dir(), env=env)
+            close_fds=True, pass_fds=(alive_fd,), start_new_session=True, cwd=runtime.agent_dir(), env=env)
     assert proc.stdin is not None and proc.stdout is not None  # both are pipes
     # Parameters travel on stdin, never on the command line (visible to every user in ps).
     proc.stdin.write(json.dumps({"tracker": list(tracker_addr), "tracker_id": tracker_id, "secret": secret,
-                                 "alive_fd": alive_fd,
+                                 "alive_fd": alive_fd, "executor_pid": executor_life.executor_pid(),
                                  "consumer_config": opts.consumer_config(),
                                  "producer_config": opts.producer_config() if opts.dead_letter_topic else {},
                                  "secret_values": opts.secret_values()}).encode() + b"\n")

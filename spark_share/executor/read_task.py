@@ -1,4 +1,4 @@
-"""A read task of ``format("kafka-share")``: one (batch, slot) asked of this host's agent, yielded as Arrow.
+"""A read task of ``format("kafka-share")``: one (batch, slot) asked of this executor's agent, yielded as Arrow.
 
 Owns: what the task knows of itself (the query id and Spark's batch id from its local properties,
 or under Spark Connect the tag of the session that runs the batch), the request to the agent, and
@@ -17,13 +17,13 @@ from ..consumers import records
 from ..options import ShareSourceOptions
 from ..transport.protocol import Read, call
 
-# Per Python worker: the connection to this host's agent of each query run, kept between tasks.
+# Per Python worker: the connection to this executor's agent of each query run, kept between tasks.
 _AGENTS: dict = {}
 READ_TIMEOUT_S = 600.0
 
 
 def read(partition, opts: ShareSourceOptions) -> Iterator:
-    """The rows of ``partition`` (a ``reader.SharePartition``), from this host's agent."""
+    """The rows of ``partition`` (a ``reader.SharePartition``), from this executor's agent."""
     from pyspark import TaskContext
 
     ctx = TaskContext.get()
@@ -58,7 +58,7 @@ def _agent_of(tracker_id: str):
 
 
 def _connect_agent(partition, opts: ShareSourceOptions):
-    """Find or start this host's agent; the connection is kept for this worker's next tasks."""
+    """Find or start this executor's agent; the connection is kept for this worker's next tasks."""
     from .launcher import ensure_agent
 
     conn = _AGENTS[partition.tracker_id] = ensure_agent(

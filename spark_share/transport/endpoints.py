@@ -1,9 +1,9 @@
 """Where connections between our processes start: ``RpcServer`` admits peers that prove the query's
 credential, ``connect`` dials one.
 
-Owns: listening (TCP or a Unix socket only its user may open), each peer's TLS handshake on the loop
-thread (refused, logged without the secret, when it fails or takes too long), and the accept loop, which
-survives running out of descriptors (it logs, pauses and accepts again). An admitted peer becomes a
+Owns: listening (TCP, a Unix socket file only its user may open, or an abstract one), each peer's TLS
+handshake on the loop thread (refused, logged without the secret, when it fails or takes too long), and
+the accept loop, which survives running out of descriptors (it logs, pauses and accepts again). An admitted peer becomes a
 ``wire.RpcConnection``; the server's handler runs on one bounded pool shared by all its connections, so
 a tracker's threads do not grow with its agents.
 
@@ -35,10 +35,16 @@ _PAUSE_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 __all__ = ["RpcServer", "connect", "connect_patiently"]
 
 
+def _abstract(address: str) -> bool:
+    """A Unix socket in Linux's abstract namespace (a name, not a file)."""
+    return address.startswith("\0")
+
+
 def connect(address, secret: str, handler: Handler | None = None, timeout: float = 10.0,
             name: str = "rpc", on_close=None, scrub: Callable[[str], str] = lambda s: s,
             workers: int = 4, inline: Callable[[dict], bool] | None = None) -> RpcConnection:
-    """Connect to a TCP (host, port) or Unix socket path, authenticate, return the connection."""
+    """Connect to a TCP (host, port) or Unix socket (a path, or an abstract name: ``\0`` first),
+    authenticate, return the connection."""
     if isinstance(address, str):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     else:
@@ -158,9 +164,13 @@ class RpcServer:
             old = os.umask(0o177)
             try:
                 sock.bind(address)
+            except OSError:
+                sock.close()
+                raise
             finally:
                 os.umask(old)
-            os.chmod(address, 0o600)
+            if not _abstract(address):  # an abstract socket has no file, so no mode: the handshake admits
+                os.chmod(address, 0o600)
             self.address = address
         else:
             sock = socket.socket(socket.AF_INET6 if ":" in address[0] else socket.AF_INET, socket.SOCK_STREAM)
@@ -281,7 +291,7 @@ class RpcServer:
 
             self._loop.call_soon(stop_and_say)
             done.wait(5)
-        if isinstance(self.address, str):
+        if isinstance(self.address, str) and not _abstract(self.address):
             try:
                 os.unlink(self.address)
             except OSError:

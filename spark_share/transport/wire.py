@@ -46,7 +46,7 @@ __all__ = ["AuthError", "RemoteError", "RpcConnection", "new_secret"]
 
 
 # A reply (header, blob), or a future of one: a handler that waits for another peer answers once it has.
-Handler = Callable[["RpcConnection", dict, Blob], "tuple[dict, Blob] | Future"]
+Handler = Callable[["RpcConnection", dict, Blob], "tuple | Future"]
 
 
 class RpcConnection:
@@ -230,19 +230,22 @@ class RpcConnection:
             raise
 
     def _handle(self, rid, header, blob, inline: bool = False) -> None:
+        then: list[Callable[[], None]] = []  # a reply (rep, blob, then) runs then() once it is sent (not inline)
         try:
             assert self._handler is not None  # requests are only handled on connections that have one
             out = self._handler(self, header, blob)
             if isinstance(out, Future):  # answered once another peer answers: no thread waits for it
                 out.add_done_callback(lambda f: self._answer_later(rid, header.get("op"), f))
                 return
-            rep, rblob = out
+            rep, rblob, *then = out
             rep = dict(rep or {})
         except Exception as e:
             rep, rblob = self.error_reply(header.get("op"), e), b""
         reply = dict(rep, _id=rid, _kind="rep")
         if not inline:
             self._send_or_close(reply, rblob)
+            for after in then:
+                after()
             return
         # On the loop, never waiting: a reply with a blob, or one that finds a sender in the middle of a
         # frame (it may be waiting for the loop to flush), leaves from the pool.

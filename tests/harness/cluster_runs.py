@@ -89,11 +89,25 @@ def counts_match_writes(res: dict, rows: list[dict]) -> dict[int, int]:
     return counts
 
 
+def spark_share_files(cluster: NamespaceCluster, host: str) -> list[str]:
+    """spark-share's files on ``host``: the runtime directory (a driver's) and the agents' files in the
+    executors' Spark local dirs (Spark removes those when the application ends)."""
+    tmp = cluster.host_tmp(host)
+    return sorted(glob.glob(os.path.join(tmp, "spark-share-*", "*"))
+                  + glob.glob(os.path.join(tmp, "**", "blockmgr-*", "agent-*"), recursive=True))
+
+
+def is_log(path: str) -> bool:
+    name = os.path.basename(path)
+    return name.endswith(".log") or ".log." in name
+
+
 def host_logs(cluster: NamespaceCluster, host: str, prefix: str) -> str:
     """spark-share's logs on ``host`` whose names start with ``prefix`` (``tracker-``, ``agent-``)."""
     out = []
-    for path in sorted(glob.glob(os.path.join(cluster.host_tmp(host), "spark-share-*", prefix + "*.log*"))):
-        out.append(tail(path, 1 << 22))
+    for path in spark_share_files(cluster, host):
+        if is_log(path) and os.path.basename(path).startswith(prefix):
+            out.append(tail(path, 1 << 22))
     return "\n".join(out)
 
 

@@ -276,11 +276,9 @@ class ClusterSampler:
             self.samples.append(self.sample())
 
     def sample(self) -> dict:
-        import glob
-
         import psutil
 
-        from harness import resources
+        from harness import cluster_runs, resources
 
         processes = {}
         for host in self.cluster.hosts:
@@ -294,10 +292,15 @@ class ClusterSampler:
                     processes[pid] = (kind, p)
         files = size = logs = 0
         for host in self.cluster.hosts:
-            for d in glob.glob(os.path.join(self.cluster.host_tmp(host), "spark-share-*")):
-                f, b = resources.files_under(d, logs=False)
-                files, size = files + f, size + b
-                logs += resources.files_under(d, logs=True)[1]
+            for path in cluster_runs.spark_share_files(self.cluster, host):
+                try:
+                    n = os.stat(path).st_size
+                except OSError:
+                    continue
+                if cluster_runs.is_log(path):
+                    logs += n
+                else:
+                    files, size = files + 1, size + n
         return {"t": round(time.monotonic() - self._t0, 2), "kinds": resources.measure(processes),
                 "runtime_files": files, "runtime_bytes": size, "log_bytes": logs,
                 "checkpoint_files": resources.files_under(self.checkpoint)[0]}
@@ -355,14 +358,16 @@ def member_joins(cluster, hosts) -> list[float]:
 def keep_logs(cluster, hosts, out: str) -> None:
     """spark-share's logs of every host (trackers' and agents'), copied to ``out``/logs before the cluster's
     files go: what to read when a batch wrote duplicates no fault explains."""
-    import glob
     import shutil
+
+    from harness import cluster_runs
 
     for host in hosts:
         dest = os.path.join(out, "logs", host)
         os.makedirs(dest, exist_ok=True)
-        for path in glob.glob(os.path.join(cluster.host_tmp(host), "spark-share-*", "*.log*")):
-            shutil.copy(path, dest)
+        for path in cluster_runs.spark_share_files(cluster, host):
+            if cluster_runs.is_log(path):
+                shutil.copy(path, dest)
 
 
 def main(argv=None) -> int:
@@ -409,6 +414,9 @@ def main(argv=None) -> int:
         while not ids <= set(ids_of(cluster_runs.written(shared))) and time.monotonic() < deadline:
             driver.restart_if_ended()
             time.sleep(2.0)  # a bounded wait for the stream to write the last records
+        # Read while the application runs: Spark removes its executors' local dirs, the agents' logs with them.
+        joins = member_joins(cluster, cluster.hosts)
+        keep_logs(cluster, cluster.hosts, args.out)
         res = driver.stop(300)
         samples = sampler.stop()
         rows = cluster_runs.written(shared)
@@ -417,12 +425,10 @@ def main(argv=None) -> int:
         done_at = {(b["run"], b["batch"]): b["t"] for b in batches}
         faults = operator.injected
         why, unexplained, where = explain(rows, batches, faults, driver.starts)
-        joins = member_joins(cluster, cluster.hosts)
         # not an explanation the verdict takes: how many of the unexplained were written again within
         # EFFECT_S after a member joined (what the embedded broker's session ends would cause)
         after_join = sum(n for (r, b), n in where.items()
                          if any(j <= done_at.get((r, b), 0.0) <= j + EFFECT_S for j in joins))
-        keep_logs(cluster, cluster.hosts, args.out)
         agents_left = {h: cluster_runs.agents_on(cluster, h) for h in cluster.hosts}
         deadline = time.monotonic() + 60
         while any(agents_left.values()) and time.monotonic() < deadline:

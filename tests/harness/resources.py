@@ -44,8 +44,9 @@ def process_kind(p: psutil.Process, driver_pid: int | None = None) -> str | None
 
 
 def run_processes(root_pid: int, runtime_dir: str) -> dict[int, tuple[str, psutil.Process]]:
-    """The driver process ``root_pid``, everything it started, and the agents working in
-    ``runtime_dir`` (they detach from the worker that spawned them)."""
+    """The driver process ``root_pid``, everything it started, and the agents of the run whose runtime
+    directory is ``runtime_dir`` (they detach from the worker that spawned them, work in its Spark local
+    dir, and inherit its environment)."""
     out = {}
     try:
         root = psutil.Process(root_pid)
@@ -61,7 +62,8 @@ def run_processes(root_pid: int, runtime_dir: str) -> dict[int, tuple[str, psuti
             out[p.pid] = (kind, p)
     for p in psutil.process_iter(["cmdline"]):
         try:
-            if "spark_share.consumers.agent" in " ".join(p.info["cmdline"] or []) and p.cwd() == runtime_dir:
+            if ("spark_share.consumers.agent" in " ".join(p.info["cmdline"] or [])
+                    and p.environ().get("SPARK_SHARE_RUNTIME_DIR") == runtime_dir):
                 out[p.pid] = ("agent", p)
         except psutil.Error:
             continue

@@ -29,6 +29,7 @@ import pytest
 from confluent_kafka import AcknowledgeType, Producer, ShareConsumer
 
 import spark_share
+from spark_share.runtime import ABSTRACT_PREFIX
 
 
 class Workload:
@@ -285,6 +286,27 @@ def agent_processes(tracker_id: str | None = None) -> list[psutil.Process]:
     if tracker_id is not None:
         out = [p for p in out if _agent_tracker(p) == tracker_id]
     return out
+
+
+def agent_addresses(tracker_id: str) -> list[str]:
+    """The abstract socket names the agents of a query run listen on in this network namespace (each
+    executor's agent has its own): what ``endpoints.connect`` takes."""
+    prefix = "@" + ABSTRACT_PREFIX + tracker_id + "-"
+    with open("/proc/net/unix") as f:
+        next(f)
+        rows = [line.split() for line in f]
+    # Columns: Num RefCount Protocol Flags Type St Inode Path; a listening socket has __SO_ACCEPTCON (0x10000).
+    return sorted({"\0" + r[7][1:] for r in rows if len(r) > 7 and r[7].startswith(prefix) and int(r[3], 16) & 0x10000})
+
+
+def agent_files(spark, pattern: str = "agent-*") -> list[str]:
+    """Files of agents in the local dirs of ``spark``'s driver (local mode: its read tasks' executor), and in
+    the runtime directory, where a ``SPARK_SHARE_RUNTIME_DIR`` the user set puts them."""
+    from spark_share.runtime import runtime_dir
+
+    roots = spark.conf.get("spark.local.dir", "/tmp").split(",")
+    return sorted([p for r in roots for p in glob.glob(os.path.join(r, "blockmgr-*", pattern))]
+                  + glob.glob(os.path.join(runtime_dir(), pattern)))
 
 
 def batch_agents(df) -> list[psutil.Process]:

@@ -67,11 +67,13 @@ def pytest_collection_finish(session):
 
 
 @pytest.fixture(scope="session")
-def spark():
-    """local[2,2]: two cores, and one retry per task so that task-retry tests can inject a failure."""
+def spark(tmp_path_factory):
+    """local[2,2]: two cores, and one retry per task so that task-retry tests can inject a failure. Its
+    local dir is the test run's own: agents keep their files there (``support.agent_files``)."""
     from pyspark.sql import SparkSession
 
     session = (SparkSession.builder.master("local[2,2]").appName("spark-share-tests")
+               .config("spark.local.dir", str(tmp_path_factory.mktemp("spark-local")))
                .config("spark.ui.enabled", "false")
                .config("spark.sql.shuffle.partitions", "2")
                .config("spark.driver.memory", "2g")

@@ -13,7 +13,8 @@ what serverless compute, standard access mode and Kubernetes forbid user code on
   in which nothing of spark-share appears (checked: the root mount of every JVM on a worker host is
   read-only).
 - (d) Dynamic allocation: executors removed after a second idle (their shuffle files kept 2 s at most) and
-  added again as batches come.
+  added again as batches come. In readMode=executors too (no sandbox: that mode needs what it forbids):
+  every record read, and the agent of a removed executor leaves once the batch it holds is acknowledged.
 
 Under them, a drain with a task that fails once and is retried on another host, and a foreachBatch that
 raises after its write (the query restarted from its checkpoint): every record read, none lost, the watcher
@@ -26,17 +27,17 @@ naming what is missing.
 """
 from __future__ import annotations
 
-import glob
 import os
 import subprocess
 import sys
 import threading
+from collections import Counter
 
 import pytest
 
 from harness import cluster_runs
 from harness.spark_hosts import MASTER_PORT
-from harness.support import Workload, check_no_loss, gid, ids_of
+from harness.support import Workload, check_no_loss, gid, ids_of, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -141,14 +142,41 @@ def root_mounts(cluster, host: str) -> dict[int, str]:
 
 
 def ours_on(cluster, host: str) -> set[str]:
-    """Files of spark-share under ``host``'s /tmp (runtime directories of agents of earlier tests included)."""
-    return set(glob.glob(os.path.join(cluster.host_tmp(host), "spark-share-*", "*")))
+    """Files of spark-share under ``host``'s /tmp (agents' files of earlier tests included)."""
+    return set(cluster_runs.spark_share_files(cluster, host))
+
+
+# (d): executors removed once idle for a second and added again as batches come
+DYNAMIC_ALLOCATION = ("--conf", "spark.dynamicAllocation.enabled=true",
+                      "--conf", "spark.dynamicAllocation.shuffleTracking.enabled=true",
+                      # A batch's count() leaves shuffle files, which keep their executor until the driver's
+                      # garbage collector frees the shuffle (whenever that runs) unless this says otherwise:
+                      # once in a run here, no executor went within 60 s.
+                      "--conf", "spark.dynamicAllocation.shuffleTracking.timeout=2s",
+                      "--conf", "spark.dynamicAllocation.executorIdleTimeout=1s",
+                      "--conf", "spark.dynamicAllocation.minExecutors=0",
+                      "--conf", "spark.dynamicAllocation.initialExecutors=1",
+                      "--await-executor-removal-after", "3")
+# The batch that waits for a removal (at most 60 s) holds its records meanwhile: a lock as long as that wait,
+# Kafka's longest by default (group.share.max.record.lock.duration.ms), so no lock expires in it.
+AWAIT_LOCK_MS = 60_000
+
+
+def removals(res: dict) -> tuple[dict, int]:
+    """The batch during which an executor was removed, and how many removals the samples saw."""
+    idle = [b for b in res["batches"] if "executorsBefore" in b]
+    assert idle and idle[0]["executorsAfter"] < idle[0]["executorsBefore"], f"no executor was removed: {idle}"
+    later = [b for b in res["batches"] if b["t"] > idle[0]["t"] and b["count"]]
+    assert later, "no batch read records after the executors were removed"  # Spark added executors for them
+    executors = [s["executors"] for s in res["samples"] if s.get("executors", -1) >= 0]
+    return idle[0], sum(1 for a, b in zip(executors, executors[1:]) if b < a)
 
 
 def test_driver_mode_reads_everything_on_executors_that_may_run_nothing_of_ours(namespace_cluster, kafka):
     cluster = namespace_cluster
     w = Workload(kafka, "sandboxed", partitions=3)
     ids = w.produce(1500)
+    kafka.set_record_lock_duration(AWAIT_LOCK_MS)
     group = kafka.group(gid())
     shared = os.path.join(cluster.shared, f"sandboxed-{gid()}")
     workers = [h for h in cluster.hosts if h != "driver"]
@@ -163,17 +191,7 @@ def test_driver_mode_reads_everything_on_executors_that_may_run_nothing_of_ours(
                                    "--conf", f"spark.driver.blockManager.port={BLOCK_MANAGER_PORT}",
                                    "--conf", "spark.excludeOnFailure.enabled=true",
                                    "--conf", "spark.excludeOnFailure.task.maxTaskAttemptsPerNode=1",
-                                   # (d) executors removed once idle for a second and added again as batches come
-                                   "--conf", "spark.dynamicAllocation.enabled=true",
-                                   "--conf", "spark.dynamicAllocation.shuffleTracking.enabled=true",
-                                   # A batch's count() leaves shuffle files, which keep their executor until the
-                                   # driver's garbage collector frees the shuffle (whenever that runs) unless
-                                   # this says otherwise: once in a run here, no executor went within 60 s.
-                                   "--conf", "spark.dynamicAllocation.shuffleTracking.timeout=2s",
-                                   "--conf", "spark.dynamicAllocation.executorIdleTimeout=1s",
-                                   "--conf", "spark.dynamicAllocation.minExecutors=0",
-                                   "--conf", "spark.dynamicAllocation.initialExecutors=1",
-                                   "--await-executor-removal-after", "3")
+                                   *DYNAMIC_ALLOCATION)
         res = cluster_runs.result(app, shared, 600)
         assert not sandbox.reaches_tracker_port("w1"), "the sandbox let a worker host reach the tracker's port"
         roots = {h: root_mounts(cluster, h) for h in workers}
@@ -190,20 +208,50 @@ def test_driver_mode_reads_everything_on_executors_that_may_run_nothing_of_ours(
     assert set(ids_of(crashed)) <= again, "records of the batch that failed after its write did not come back"
     report = check_no_loss(ids, ids_of(rows), duplicates_reason="batch 2, written before its foreachBatch raised")
     if kafka.external:  # the embedded broker hands records out again when a member joins
-        assert report.duplicates == len(crashed), report
+        twice = Counter(ids_of(rows))
+        where = Counter((r["run"], r["batch"]) for i, r in zip(ids_of(rows), rows) if twice[i] > 1)
+        expired = max((s.get("expired") or 0 for s in res["samples"]), default=0)
+        assert report.duplicates == len(crashed), (report, f"rows written twice by (run, batch): {dict(where)}; "
+                                                           f"locks expired: {expired}")
     retried = [n for n in os.listdir(os.path.join(shared, "attempts")) if n.endswith("-1")]
     assert retried, "Spark retried no task"
-    executors = [s["executors"] for s in res["samples"] if s.get("executors", -1) >= 0]
-    idle = [b for b in res["batches"] if "executorsBefore" in b]
-    assert idle and idle[0]["executorsAfter"] < idle[0]["executorsBefore"], f"no executor was removed: {idle}"
-    later = [b for b in res["batches"] if b["t"] > idle[0]["t"] and b["count"]]
-    assert later, "no batch read records after the executors were removed"  # Spark added executors for them
-    went = sum(1 for a, b in zip(executors, executors[1:]) if b < a)
+    _, went = removals(res)
     # Both actions of every batch (a count, then the write, no persist) saw the same rows, the retried one too.
     cluster_runs.counts_match_writes(res, [r for r in rows if not (r["run"] == 0 and r["batch"] == 2)])
     print(f"readMode=driver, sandboxed executors: {len(ids)} records, {report.duplicates} written twice "
-          f"(batch 2's {len(crashed)}), {len(retried)} task(s) retried on another host; executors over the run "
-          f"{executors} ({went} removals)")
+          f"(batch 2's {len(crashed)}), {len(retried)} task(s) retried on another host; {went} executor removals")
+
+
+def test_executors_mode_under_dynamic_allocation_lets_removed_executors_agents_go(namespace_cluster, kafka):
+    """(d) in readMode=executors: executors removed while idle and added again. Every record is read; the agent
+    of a removed executor (a process that outlives tasks, so nothing of Spark's ends it) leaves once what it
+    holds is acknowledged, instead of holding share-group members until the query ends; none is left after."""
+    cluster = namespace_cluster
+    w = Workload(kafka, "elastic", partitions=3)
+    ids = w.produce(1500)
+    kafka.set_record_lock_duration(AWAIT_LOCK_MS)
+    group = kafka.group(gid())
+    shared = os.path.join(cluster.shared, f"elastic-{gid()}")
+    cluster.forward(kafka.bootstrap_servers)
+    app = cluster_runs.run_app(cluster, kafka, "drain", w.topic, group, shared, "--partitions", "3",
+                               "--max-per-trigger", "300", "--option", "readMode=executors", *DYNAMIC_ALLOCATION)
+    res = cluster_runs.result(app, shared, 600)
+    assert res["error"] is None, res["error"]
+    rows = cluster_runs.written(shared)
+    report = check_no_loss(ids, ids_of(rows), duplicates_reason="the embedded broker hands records out again "
+                           "when a member joins")
+    if kafka.external:
+        assert report.duplicates == 0, report
+    idle, went = removals(res)
+    agents = [(s["t"], s["agents"]) for s in res["samples"] if "agents" in s]
+    peak = max(n for t, n in agents if t <= idle["t"])
+    after = [n for t, n in agents if t > idle["t"]]
+    assert after and min(after) < peak, f"no agent left after its executor was removed: {agents}"
+    cluster_runs.counts_match_writes(res, rows)
+    wait_until(lambda: not any(cluster_runs.agents_on(cluster, h) for h in cluster.hosts), timeout=60,
+               message="agents left running after the query")
+    print(f"readMode=executors, dynamic allocation: {len(ids)} records, {report.duplicates} written twice; "
+          f"{went} executor removals; agents over the run {[n for _, n in agents]}")
 
 
 def test_executors_mode_in_the_sandbox_fails_promptly_naming_driver_mode(namespace_cluster, kafka):

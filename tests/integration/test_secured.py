@@ -16,7 +16,7 @@ import pytest
 import spark_share
 from harness.brokers import ExternalKafka
 from harness.kafka_kit import KitCluster, free_ports
-from harness.support import Workload, check_no_loss, gid, id_col, read_stream, tracker_log, wait_until
+from harness.support import Workload, agent_files, check_no_loss, gid, id_col, read_stream, tracker_log, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_only("starts a SASL_SSL broker of the kit")]
 
@@ -132,7 +132,9 @@ def test_a_stream_over_sasl_ssl_works_and_no_secret_leaks(spark, skafka, tmp_pat
             texts.append(open(path, errors="replace").read())
     from spark_share.runtime import runtime_dir
 
-    for path in glob.glob(os.path.join(runtime_dir(), "*.log")):
+    logs = glob.glob(os.path.join(runtime_dir(), "*.log")) + agent_files(spark, "agent-*.log")
+    assert any(os.path.basename(p).startswith("agent-") for p in logs), "no agent log was searched"
+    for path in logs:
         texts.append(open(path, errors="replace").read())
     assert not _leaks(texts)
 

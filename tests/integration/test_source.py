@@ -4,6 +4,7 @@ yours: tests/harness/brokers.py).
 Each test here would fail on the toy design (a consumer in read(), ACCEPT at task end)."""
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -18,6 +19,8 @@ import spark_share
 from harness.support import (
     BatchCollector,
     Workload,
+    agent_addresses,
+    agent_files,
     agent_processes,
     batch_agents,
     check_no_loss,
@@ -37,7 +40,7 @@ from harness.support import (
 )
 from spark_share import spark_versions
 from spark_share.consumers.agent import CLOSE_WAIT_S
-from spark_share.runtime import agent_socket_path, checkpoint_note_path, registry_path, runtime_dir
+from spark_share.runtime import checkpoint_note_path, registry_path, runtime_dir
 from spark_share.transport import endpoints, wire
 
 
@@ -335,8 +338,8 @@ def test_sockets_refuse_peers_without_the_secret(spark, kafka, tmp_path):
                 checks[f"tracker:{secret}"] = "accepted"
             except wire.AuthError:
                 checks[f"tracker:{secret}"] = "refused"
-        sock = agent_socket_path(reg["tracker_id"])
-        checks["agent_sock_mode"] = os.stat(sock).st_mode & 0o777
+        (sock,) = agent_addresses(reg["tracker_id"])  # abstract: no file, so no mode; the handshake admits
+        checks["agent_files_in_runtime_dir"] = glob.glob(os.path.join(runtime_dir(), f"agent-{reg['tracker_id']}*"))
         try:
             endpoints.connect(sock, "not-the-secret", timeout=5)
             checks["agent"] = "accepted"
@@ -352,7 +355,8 @@ def test_sockets_refuse_peers_without_the_secret(spark, kafka, tmp_path):
     assert q.exception() is None
     assert checks["tracker_host"] == "127.0.0.1"
     assert checks["tracker:"] == checks["tracker:not-the-secret"] == checks["agent"] == "refused"
-    assert checks["registry_mode"] == checks["agent_sock_mode"] == 0o600 and checks["dir_mode"] == 0o700
+    assert checks["registry_mode"] == 0o600 and checks["dir_mode"] == 0o700
+    assert checks["agent_files_in_runtime_dir"] == [], "the agent keeps its files in Spark's local dir"
     assert checks["status"]["inflightRecords"] == 20
 
 
@@ -528,13 +532,14 @@ def test_secrets_never_leak(spark, kafka, tmp_path):
     reader = ShareStreamReader(parse_options({**kafka_options(kafka), "kafka.group.id": kafka.group("g"),
                                               "subscribe": w.topic, **opts}))
     texts += [repr(reader.opts), str(reader.opts), repr(SharePartition("h", 1, "t", secret, 0, 0, None, 1))]
-    for root in (ck, runtime_dir()):
-        for dirpath, _, files in os.walk(root):
-            for f in files:
-                try:
-                    texts.append(open(os.path.join(dirpath, f), errors="replace").read())
-                except OSError:
-                    pass
+    agent_logs = agent_files(spark, "agent-*.log*")
+    assert agent_logs, "no agent log to search"
+    paths = [os.path.join(d, f) for root in (ck, runtime_dir()) for d, _, names in os.walk(root) for f in names]
+    for path in paths + agent_logs:
+        try:
+            texts.append(open(path, errors="replace").read())
+        except OSError:
+            pass
     blob = "\n".join(texts)
     assert "failing run" in blob  # the failing run's text is part of what was searched
     assert secret not in blob and key_secret not in blob

@@ -2,13 +2,14 @@
 
 No real agent runs: ``subprocess.Popen`` is replaced by a fake agent process (it keeps the ``.alive``
 lock it is handed, as a real agent does, opens its socket and says READY on a real pipe) and
-``endpoints.connect`` by a fake that connects when the socket file exists; the runtime directory is a
-``tmp_path`` (SPARK_SHARE_RUNTIME_DIR). Covers: an agent that runs is used, none is spawned; none
-running, exactly one is spawned and connected to; the Kafka client configs (credentials included)
-and the per-query secret travel on the agent's stdin, never in argv nor its environment; one
+``endpoints.connect`` by a fake that connects when that abstract socket name listens; the runtime
+directory is a ``tmp_path`` (SPARK_SHARE_RUNTIME_DIR). Covers: an agent that runs is used, none is
+spawned; none running, exactly one is spawned and connected to; the Kafka client configs (credentials
+included) and the per-query secret travel on the agent's stdin, never in argv nor its environment; one
 spawner at a time (the ``.spawn`` lock); the ``.alive`` lock tells a live agent (wait for its socket,
-spawn nothing) from a dead one's leftovers (stale socket removed, a new agent spawned); an agent
-that fails or does not start in time is an error pointing at its log.
+spawn nothing) from a dead one's leftovers (a new agent spawned); an agent that fails or does not start
+in time is an error pointing at its log; in a Spark executor, the agent's files are in its first local
+dir and each executor has its own agent.
 """
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ class FakeAgentProcess:
     def __init__(self, host: Host, args, **kw):
         self.args, self.kw = args, kw
         host.spawned.append(self)
-        assert not os.path.exists(runtime.agent_socket_path(TRACKER_ID)), "a stale socket must be gone first"
+        assert runtime.agent_address(TRACKER_ID) not in host.listening, "spawned while an agent listens"
         (alive_fd,) = kw["pass_fds"]
         if host.reply is None or host.reply.startswith(b"READY"):  # one that failed has exited: lock dropped
             host.agent_fds.append(os.dup(alive_fd))  # the "agent" process keeps the locked description
@@ -71,7 +72,7 @@ class FakeAgentProcess:
         if host.reply is not None:
             os.write(w, host.reply)
             if host.open_socket:
-                open(runtime.agent_socket_path(TRACKER_ID), "w").close()
+                host.listen()
             os.close(w)
         else:
             host.silent_pipes.append(w)  # never says anything
@@ -96,27 +97,29 @@ class Host:
         self.connects: list[tuple] = []
         self.reply: bytes | None = b"READY 4242\n"
         self.open_socket = True
+        self.listening: set[str] = set()  # abstract socket names an agent listens on
         monkeypatch.setattr(launcher.subprocess, "Popen", lambda args, **kw: FakeAgentProcess(self, args, **kw))
         monkeypatch.setattr(launcher.endpoints, "connect", self.connect)
 
-    def connect(self, path, secret, timeout=None, name=None):
-        self.connects.append((path, secret, name))
-        if not os.path.exists(path):
-            raise FileNotFoundError(path)
-        if os.path.getsize(path):  # a stale socket file: nothing listens
-            raise ConnectionRefusedError(path)
-        return ("conn", path)
+    def connect(self, address, secret, timeout=None, name=None):
+        self.connects.append((address, secret, name))
+        if address not in self.listening:
+            raise ConnectionRefusedError(address)
+        return ("conn", address)
+
+    def listen(self) -> None:
+        """The agent opens its socket."""
+        self.listening.add(runtime.agent_address(TRACKER_ID))
 
     def base(self) -> str:
         return runtime.agent_base(TRACKER_ID)
 
     def kill_agent(self) -> None:
-        """The agent dies: the kernel drops its locks; its socket file stays behind."""
+        """The agent dies: the kernel drops its locks and its abstract socket; its files stay behind."""
         for fd in self.agent_fds:
             os.close(fd)
         self.agent_fds.clear()
-        with open(runtime.agent_socket_path(TRACKER_ID), "w") as f:
-            f.write("stale")
+        self.listening.clear()
 
     def close(self):
         for fd in self.agent_fds + self.silent_pipes:
@@ -153,15 +156,14 @@ def hold(path: str) -> int:
 
 
 def test_an_agent_that_runs_is_used_and_none_is_spawned(host):
-    runtime.runtime_dir()
-    open(runtime.agent_socket_path(TRACKER_ID), "w").close()
-    assert ensure() == ("conn", runtime.agent_socket_path(TRACKER_ID))
-    assert host.spawned == [] and host.connects == [(runtime.agent_socket_path(TRACKER_ID), QUERY_SECRET, "task")]
+    host.listen()
+    assert ensure() == ("conn", runtime.agent_address(TRACKER_ID))
+    assert host.spawned == [] and host.connects == [(runtime.agent_address(TRACKER_ID), QUERY_SECRET, "task")]
     assert not os.path.exists(host.base() + ".spawn"), "finding an agent takes no lock"
 
 
 def test_with_no_agent_one_is_spawned_and_connected_to(host):
-    assert ensure() == ("conn", runtime.agent_socket_path(TRACKER_ID))
+    assert ensure() == ("conn", runtime.agent_address(TRACKER_ID))
     (proc,) = host.spawned
     assert proc.args == [sys.executable, "-m", "spark_share.consumers.agent"]
     assert proc.kw["start_new_session"] is True and proc.kw["close_fds"] is True  # detached from the worker
@@ -206,13 +208,13 @@ def test_a_live_agents_alive_lock_means_wait_for_its_socket_and_spawn_nothing(ho
     try:
         attempts = []
 
-        def connect(path, secret, timeout=None, name=None):
-            attempts.append(path)
+        def connect(address, secret, timeout=None, name=None):
+            attempts.append(address)
             if len(attempts) == 3:  # the agent opens its socket
-                open(path, "w").close()
-            return host.connect(path, secret, timeout, name)
+                host.listen()
+            return host.connect(address, secret, timeout, name)
         monkeypatch.setattr(launcher.endpoints, "connect", connect)
-        assert ensure() == ("conn", runtime.agent_socket_path(TRACKER_ID))
+        assert ensure() == ("conn", runtime.agent_address(TRACKER_ID))
         assert host.spawned == [] and len(attempts) == 3
     finally:
         os.close(alive)
@@ -222,7 +224,7 @@ def test_a_dead_agents_leftovers_are_cleared_and_a_new_agent_spawned(host):
     ensure()
     host.kill_agent()
     assert not locked(host.base() + ".alive")
-    assert ensure() == ("conn", runtime.agent_socket_path(TRACKER_ID))  # the fake asserts the stale socket went
+    assert ensure() == ("conn", runtime.agent_address(TRACKER_ID))
     assert len(host.spawned) == 2
 
 
@@ -237,11 +239,11 @@ def test_one_spawner_at_a_time(host):
         assert t.is_alive() and host.spawned == [], "a second spawner went ahead"
         # The other read task started the agent (it holds .alive, its socket is open) and lets go.
         host.agent_fds.append(hold(host.base() + ".alive"))
-        open(runtime.agent_socket_path(TRACKER_ID), "w").close()
+        host.listen()
     finally:
         os.close(spawn)
     t.join(10)
-    assert not t.is_alive() and got == [("conn", runtime.agent_socket_path(TRACKER_ID))]
+    assert not t.is_alive() and got == [("conn", runtime.agent_address(TRACKER_ID))]
     assert host.spawned == [], "the agent the first spawner started must be used, not a second one"
 
 
@@ -280,7 +282,7 @@ def test_waiting_for_a_live_agents_socket_is_bounded(host, monkeypatch):
     runtime.runtime_dir()
     alive = hold(host.base() + ".alive")  # it never opens its socket
     try:
-        with pytest.raises(AgentError, match=r"did not open .*agent-0123456789abcdef\.sock within"):
+        with pytest.raises(AgentError, match=r"did not open its socket within 0 s; see .*agent-0123456789abcdef\.log"):
             ensure()
     finally:
         os.close(alive)
@@ -295,11 +297,37 @@ def test_a_read_task_waiting_on_an_agent_that_stops_starts_the_next_one(host, mo
     alive = hold(host.base() + ".alive")  # the agent, stopping: its socket already closed
     attempts = []
 
-    def connect(path, secret, timeout=None, name=None):
-        attempts.append(path)
+    def connect(address, secret, timeout=None, name=None):
+        attempts.append(address)
         if len(attempts) == 3:  # it lets go of the host
             os.close(alive)
-        return host.connect(path, secret, timeout, name)
+        return host.connect(address, secret, timeout, name)
     monkeypatch.setattr(launcher.endpoints, "connect", connect)
-    assert ensure() == ("conn", runtime.agent_socket_path(TRACKER_ID))
+    assert ensure() == ("conn", runtime.agent_address(TRACKER_ID))
     assert len(host.spawned) == 1 and len(attempts) == 4
+
+
+def test_in_an_executor_the_agent_lives_in_its_local_dir_and_each_executor_has_its_own(host, tmp_path, monkeypatch):
+    """A Python worker of a Spark executor has the executor's local dirs in SPARK_LOCAL_DIRS (per application,
+    removed by Spark): the agent's files go to the first, nothing to a runtime directory, and its socket is
+    an abstract name (no file; a local dir's path is too long for one) that differs per executor. A
+    SPARK_SHARE_RUNTIME_DIR the user set wins."""
+    first, second = tmp_path / "executor-1" / ("blockmgr-" + "0" * 36), tmp_path / "executor-2" / "blockmgr-b"
+    first.mkdir(parents=True)
+    second.mkdir(parents=True)
+    monkeypatch.delenv("SPARK_SHARE_RUNTIME_DIR")
+    monkeypatch.setenv("SPARK_LOCAL_DIRS", f"{first},{tmp_path / 'another-disk'}")
+    one = runtime.agent_address(TRACKER_ID)
+    assert ensure() == ("conn", one)
+    (proc,) = host.spawned
+    assert proc.kw["cwd"] == str(first) and proc.kw["stderr"].name == str(first / "agent-0123456789abcdef.log")
+    assert locked(str(first / "agent-0123456789abcdef.alive"))
+    assert not os.path.exists(f"/tmp/spark-share-{os.getuid()}/agent-0123456789abcdef.log")
+    assert one.startswith("\0" + runtime.ABSTRACT_PREFIX + TRACKER_ID) and len(one.encode()) < 108
+    assert len(str(first / "agent-0123456789abcdef.sock")) > 108, "a socket file there would not fit"
+    monkeypatch.setenv("SPARK_LOCAL_DIRS", str(second))  # another executor of the host
+    assert runtime.agent_address(TRACKER_ID) != one
+    assert ensure() == ("conn", runtime.agent_address(TRACKER_ID)) and len(host.spawned) == 2
+    assert proc.kw["cwd"] == str(first) and host.spawned[1].kw["cwd"] == str(second)
+    monkeypatch.setenv("SPARK_SHARE_RUNTIME_DIR", str(host.dir))
+    assert runtime.agent_dir() == str(host.dir), "the directory the user set wins"

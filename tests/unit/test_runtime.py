@@ -42,7 +42,8 @@ def test_prune_removes_what_no_live_process_owns_and_keeps_the_rest(rdir):
     touch(rdir / "tracker-old.log.2", age_s=week + 60)
     touch(rdir / "tracker-new.log")
     # "young": killed a moment ago, its tracker lives (it may start a new agent); "orphan": killed a
-    # moment ago with its tracker; "killed": an hour ago; "alive": runs.
+    # moment ago with its tracker; "killed": an hour ago; "alive": runs. Their ".sock" files are what
+    # agents before abstract sockets left: gone once no agent holds the lock.
     for agent in ("killed", "alive", "young", "orphan"):
         for suffix in (".spawn", ".alive", ".sock"):
             touch(rdir / f"agent-{agent}{suffix}", age_s=0 if agent in ("young", "orphan") else 2 * hour)
@@ -58,11 +59,12 @@ def test_prune_removes_what_no_live_process_owns_and_keeps_the_rest(rdir):
         os.close(held)
     assert sorted(removed) == sorted(["query-dead.json", "checkpoint-dead.json", "tracker-old.log",
                                       "tracker-old.log.2", "tracker-orphan.alive", "tls-left.pem"]
-                                     + [f"agent-{a}{s}" for a in ("killed", "orphan") for s in (".sock", ".alive", ".spawn")])
+                                     + [f"agent-{a}{s}" for a in ("killed", "orphan") for s in (".sock", ".alive", ".spawn")]
+                                     + ["agent-young.sock"])
     assert sorted(p.name for p in rdir.iterdir()) == sorted(
         ["query-live.json", "checkpoint-live.json", "checkpoint-recent.json", "tracker-new.log", "tracker-young.alive",
-         "tls-loading.pem"]
-        + [f"agent-{a}{s}" for a in ("alive", "young") for s in (".spawn", ".alive", ".sock")])
+         "tls-loading.pem", "agent-alive.sock", "agent-young.spawn", "agent-young.alive"]
+        + [f"agent-alive{s}" for s in (".spawn", ".alive")])
     runtime.release_tracker_lock("young", tracker)
     assert not (rdir / "tracker-young.alive").exists()
 

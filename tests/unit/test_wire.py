@@ -292,6 +292,46 @@ def test_unix_socket_is_owner_only(tmp_path):
     assert not os.path.exists(path)
 
 
+def test_an_abstract_unix_socket_has_no_file_admits_only_the_secret_and_goes_with_its_server():
+    name = "\0spark-share-test-" + wire.new_secret()[:12]
+    srv = endpoints.RpcServer(name, SECRET, lambda c, r, b: ({"ok": 1}, b""), name="abstract")
+    try:
+        c = endpoints.connect(name, SECRET)
+        assert c.call({"op": "x"}, timeout=5)[0] == {"ok": 1}
+        c.close()
+        with pytest.raises(wire.AuthError):
+            endpoints.connect(name, OTHER_QUERY, timeout=5)
+    finally:
+        srv.close()
+    with pytest.raises(ConnectionRefusedError):
+        endpoints.connect(name, SECRET, timeout=5)
+
+
+def test_what_a_handler_runs_after_its_reply_runs_once_the_reply_is_sent():
+    """A reply (rep, blob, then): ``then`` runs after the reply left (an agent that leaves once it answered
+    closes the connection there), on a connection whose peer gets the reply first."""
+    order = []
+    after = threading.Event()
+
+    def then():
+        order.append("then")
+        srv.close()  # what a leaving agent does: the reply must already be on its way
+        after.set()
+
+    def handler(conn, req, blob):
+        order.append("handled")
+        return {"ok": 1}, b"", then
+
+    srv = endpoints.RpcServer(("127.0.0.1", 0), SECRET, handler, name="then")
+    c = endpoints.connect(srv.address, SECRET)
+    try:
+        assert c.call({"op": "x"}, timeout=5)[0] == {"ok": 1}
+        assert after.wait(5) and order == ["handled", "then"]
+    finally:
+        c.close()
+        srv.close()
+
+
 def test_an_oversized_frame_ends_the_connection(server):
     """The bounds hold inside an authenticated connection too: a frame announcing more than
     MAX_HEADER is not allocated, and the connection ends."""

@@ -23,6 +23,7 @@ from pyspark.sql import functions as F
 import spark_share
 from harness.support import (
     Workload,
+    agent_addresses,
     agent_processes,
     check_no_loss,
     drain_share_group,
@@ -33,7 +34,6 @@ from harness.support import (
     uid,
     wait_until,
 )
-from spark_share.runtime import agent_socket_path
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +76,7 @@ def test_row2_stop_mid_batch_releases_at_once_and_leaves_nothing_running(spark, 
     assert len({(t, p, o) for t, p, o, _, _ in got}) >= held, f"only {len(got)} of {held} records released in time"
     assert time.monotonic() - t0 < 40
     assert registry(q.id) is None
-    assert not os.path.exists(agent_socket_path(tracker_id))
+    assert not agent_addresses(tracker_id), "an agent still listens"
 
     # Restart: replays the uncommitted batch and then drains the rest.
     kafka.set_record_lock_duration(30_000)
@@ -159,7 +159,7 @@ def test_row16_sigterm_at_each_phase_accepts_the_committed_batch_and_releases_th
     assert took < 12, f"the stop took {took:.1f} s"
     assert registry(query_id) is None, "the query registry file was left behind"
     wait_until(lambda: not agent_processes(tracker_id), timeout=30, message="the agent outlived its tracker")
-    assert not os.path.exists(agent_socket_path(tracker_id))
+    assert not agent_addresses(tracker_id), "an agent still listens"
     got = drain_share_group(kafka, group, [topic], timeout=15, until=len(second))
     ids = ids_of({"value": v} for _, _, _, _, v in got)
     # Batch 0 was committed: ACCEPTed, never delivered again. Batch 1 was not: released at once.

@@ -1,0 +1,127 @@
+"""An agent's memory bound (``agentCacheBytes``), measured side by side in one run: readMode=executors with the
+default budget (256 MiB: every batch held in memory) beside a budget of 0 (every batch waits for its
+acknowledgement in a mapped file of the executor's local dir).
+
+    .venv/bin/python benchmarks/agent_memory.py --records 30000 --value-bytes 1000            # embedded
+    .venv/bin/python benchmarks/agent_memory.py --bootstrap-servers broker:9092 --records 300000 [--kafka-option K=V]
+
+For each budget: an AvailableNow query (local[2], noop sink, 8 partitions, one batch of everything) over
+the same backlog; records/s from the query's start, CPU seconds per million records of the agent, and the
+agent's peak memory, sampled every 50 ms from /proc: anonymous (what the budget bounds) and file-backed
+(mapped batches: the kernel may drop those pages). Prints a table and the ratios, writes results.json.
+The embedded broker keeps about 5 MB a partition: keep records x value bytes under 40 MB there.
+Not part of the test run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from benchmark import cluster, share_run  # noqa: E402  (also puts the repository on the path)
+from read_modes import backlog, side_cpu_per_m  # noqa: E402
+
+from harness.kafka_cluster import cluster_options  # noqa: E402
+from harness.support import agent_processes  # noqa: E402
+
+BUDGETS = (("default (256 MiB)", None), ("0: every batch mapped", 0))
+
+
+class PeakMemory:
+    """The largest RssAnon and RssFile (MiB) of any agent while the ``with`` lasts."""
+
+    def __init__(self):
+        self.anon = self.file = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> PeakMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            for p in agent_processes():
+                try:
+                    with open(f"/proc/{p.pid}/status") as f:
+                        fields = dict(line.split(":", 1) for line in f if ":" in line)
+                except OSError:
+                    continue
+                self.anon = max(self.anon, int(fields.get("RssAnon", "0 kB").split()[0]) / 1024)
+                self.file = max(self.file, int(fields.get("RssFile", "0 kB").split()[0]) / 1024)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--records", type=int, default=30_000)
+    ap.add_argument("--partitions", type=int, default=8)
+    ap.add_argument("--value-bytes", type=int, default=1000)
+    ap.add_argument("--locks", type=int, default=10_000, help="record-lock limit (set on the embedded broker)")
+    ap.add_argument("--repeats", type=int, default=2, help="runs of each budget, alternating")
+    ap.add_argument("--out", default="agent-memory-out")
+    ap.add_argument("--bootstrap-servers", help="a Kafka >= 4.2 cluster of yours instead of the embedded broker")
+    ap.add_argument("--kafka-option", action="append", default=[], metavar="K=V",
+                    help="a client config for that cluster; repeatable; @FILE reads them from FILE")
+    args = ap.parse_args(argv)
+    args.kafka_options = cluster_options(ap, args)
+    os.makedirs(args.out, exist_ok=True)
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    from pyspark.sql import SparkSession
+
+    import spark_share
+
+    spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
+             .config("spark.ui.showConsoleProgress", "false").getOrCreate())
+    spark.sparkContext.setLogLevel("ERROR")
+    spark_share.register(spark)
+    tmp = tempfile.mkdtemp(prefix="bench-agent-memory-")
+    runs = []
+    for i in range(args.repeats + 1):  # the first round warms the session up and is not kept
+        for name, budget in BUDGETS:
+            with cluster(args) as kafka:
+                topic = backlog(kafka, args.partitions, args.records, args.value_bytes, args.locks)
+                with PeakMemory() as peak:
+                    r = share_run(spark, kafka, topic, None, args.records, tmp, locks=args.locks,
+                                  readMode="executors", agentCacheBytes=budget)
+            row = {"budget": name, "rps": r["records"] / r["seconds"], "batches": r["batches"],
+                   "agent_cpu_per_m": side_cpu_per_m(r["cpu_by_process"], ("agent",), r["records"]),
+                   "peak_anon_mib": peak.anon, "peak_file_mib": peak.file}
+            print(("warm-up " if i == 0 else "") + json.dumps({k: round(v, 1) if isinstance(v, float) else v
+                                                               for k, v in row.items()}), flush=True)
+            if i:
+                runs.append(row)
+    spark.stop()
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"records": args.records, "value_bytes": args.value_bytes, "runs": runs}, f, indent=1)
+    print(table(runs, args))
+    return 0
+
+
+def table(runs: list[dict], args) -> str:
+    lines = [f"{args.records:,} records of {args.value_bytes:,} B, {args.partitions} partitions, readMode=executors",
+             "| agentCacheBytes | records/s | agent CPU-s/M | agent peak anonymous MiB | agent peak mapped MiB |",
+             "|---|---|---|---|---|"]
+    by: dict[str, list[dict]] = {}
+    for r in runs:
+        by.setdefault(r["budget"], []).append(r)
+        lines.append(f"| {r['budget']} | {r['rps']:,.0f} | {r['agent_cpu_per_m']:.1f} | {r['peak_anon_mib']:.0f} | "
+                     f"{r['peak_file_mib']:.0f} |")
+    (d, dr), (z, zr) = list(by.items())
+    mean = lambda rows, k: sum(r[k] for r in rows) / len(rows)  # noqa: E731
+    lines.append(f"\n{z} / {d}: records/s {mean(zr, 'rps') / mean(dr, 'rps'):.2f}, agent peak anonymous memory "
+                 f"{mean(zr, 'peak_anon_mib') / max(mean(dr, 'peak_anon_mib'), 1e-9):.2f}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
