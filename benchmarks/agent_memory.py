@@ -24,10 +24,9 @@ import threading
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from benchmark import cluster, share_run  # noqa: E402  (also puts the repository on the path)
+from benchmark import add_kafka_arguments, cluster, local_session, parse_args, share_run  # noqa: E402
 from read_modes import backlog, side_cpu_per_m  # noqa: E402
 
-from harness.kafka_cluster import cluster_options  # noqa: E402
 from harness.support import agent_processes  # noqa: E402
 
 BUDGETS = (("default (256 MiB)", None), ("0: every batch mapped", 0))
@@ -69,21 +68,9 @@ def main(argv=None) -> int:
     ap.add_argument("--locks", type=int, default=10_000, help="record-lock limit (set on the embedded broker)")
     ap.add_argument("--repeats", type=int, default=2, help="runs of each budget, alternating")
     ap.add_argument("--out", default="agent-memory-out")
-    ap.add_argument("--bootstrap-servers", help="a Kafka >= 4.2 cluster of yours instead of the embedded broker")
-    ap.add_argument("--kafka-option", action="append", default=[], metavar="K=V",
-                    help="a client config for that cluster; repeatable; @FILE reads them from FILE")
-    args = ap.parse_args(argv)
-    args.kafka_options = cluster_options(ap, args)
-    os.makedirs(args.out, exist_ok=True)
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    from pyspark.sql import SparkSession
-
-    import spark_share
-
-    spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
-             .config("spark.ui.showConsoleProgress", "false").getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
-    spark_share.register(spark)
+    add_kafka_arguments(ap)
+    args = parse_args(ap, argv)
+    spark = local_session()
     tmp = tempfile.mkdtemp(prefix="bench-agent-memory-")
     runs = []
     for i in range(args.repeats + 1):  # the first round warms the session up and is not kept

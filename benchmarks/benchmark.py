@@ -61,6 +61,36 @@ print(json.dumps({"seconds": dt, "records": sum(got),
 """
 
 
+def add_kafka_arguments(ap) -> None:
+    """A benchmark's Kafka: the embedded broker, or ``--bootstrap-servers`` (a cluster of yours) with
+    ``--kafka-option`` client configs (``cluster_options`` reads them)."""
+    ap.add_argument("--bootstrap-servers", help="a Kafka >= 4.2 cluster of yours instead of the embedded broker")
+    ap.add_argument("--kafka-option", action="append", default=[], metavar="K=V",
+                    help="a client config for that cluster; repeatable; @FILE reads them from FILE")
+
+
+def parse_args(ap, argv):
+    """``ap``'s arguments (with ``add_kafka_arguments``'), the client configs as ``kafka_options``; ``out`` made."""
+    args = ap.parse_args(argv)
+    args.kafka_options = cluster_options(ap, args)
+    os.makedirs(args.out, exist_ok=True)
+    return args
+
+
+def local_session():
+    """The benchmarks' Spark: local[2], no UI, spark-share registered."""
+    from pyspark.sql import SparkSession
+
+    import spark_share
+
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
+             .config("spark.ui.showConsoleProgress", "false").config("spark.sql.shuffle.partitions", "2").getOrCreate())
+    spark.sparkContext.setLogLevel("ERROR")
+    spark_share.register(spark)
+    return spark
+
+
 def cluster(args):
     """A cluster of yours (tests/harness/kafka_cluster.py: topics and groups under a prefix of this run, deleted at the
     end; each share group set to start at the earliest record), or a fresh embedded broker."""

@@ -27,9 +27,15 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from benchmark import BROKER, cluster, raw_loop, share_run  # noqa: E402  (also puts the repository on the path)
-
-from harness.kafka_cluster import cluster_options  # noqa: E402
+from benchmark import (  # noqa: E402  (also puts the repository on the path)
+    BROKER,
+    add_kafka_arguments,
+    cluster,
+    local_session,
+    parse_args,
+    raw_loop,
+    share_run,
+)
 
 DRIVER_SIDE = ("runner",)
 EXECUTOR_SIDE = ("python workers", "agent")
@@ -85,21 +91,9 @@ def main(argv=None) -> int:
                     help="records of the 1 KB and the 10 KB ceiling runs (readMode=driver); the embedded broker keeps "
                     "about 5 MB a partition (older records are dropped): 30000,3000 there")
     ap.add_argument("--out", default="read-modes-out")
-    ap.add_argument("--bootstrap-servers", help="a Kafka >= 4.2 cluster of yours instead of the embedded broker")
-    ap.add_argument("--kafka-option", action="append", default=[], metavar="K=V",
-                    help="a client config for that cluster; repeatable; @FILE reads them from FILE")
-    args = ap.parse_args(argv)
-    args.kafka_options = cluster_options(ap, args)
-    os.makedirs(args.out, exist_ok=True)
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    from pyspark.sql import SparkSession
-
-    import spark_share
-
-    spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
-             .config("spark.ui.showConsoleProgress", "false").config("spark.sql.shuffle.partitions", "2").getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
-    spark_share.register(spark)
+    add_kafka_arguments(ap)
+    args = parse_args(ap, argv)
+    spark = local_session()
     tmp = tempfile.mkdtemp(prefix="bench-modes-")
     results: dict = {"records": args.records, "partitions": args.partitions, "value_bytes": args.value_bytes,
                      "cluster": "yours" if args.bootstrap_servers else "embedded", "runs": [], "ceiling": []}

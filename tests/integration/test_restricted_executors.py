@@ -172,13 +172,18 @@ def removals(res: dict) -> tuple[dict, int]:
     return idle[0], sum(1 for a, b in zip(executors, executors[1:]) if b < a)
 
 
-def test_driver_mode_reads_everything_on_executors_that_may_run_nothing_of_ours(namespace_cluster, kafka):
-    cluster = namespace_cluster
-    w = Workload(kafka, "sandboxed", partitions=3)
+def elastic_backlog(cluster, kafka, name: str) -> tuple[Workload, list[int], str, str]:
+    """1,500 records on 3 partitions for a run under dynamic allocation: the workload, its ids, the group and
+    the run's shared directory."""
+    w = Workload(kafka, name, partitions=3)
     ids = w.produce(1500)
     kafka.set_record_lock_duration(AWAIT_LOCK_MS)
-    group = kafka.group(gid())
-    shared = os.path.join(cluster.shared, f"sandboxed-{gid()}")
+    return w, ids, kafka.group(gid()), os.path.join(cluster.shared, f"{name}-{gid()}")
+
+
+def test_driver_mode_reads_everything_on_executors_that_may_run_nothing_of_ours(namespace_cluster, kafka):
+    cluster = namespace_cluster
+    w, ids, group, shared = elastic_backlog(cluster, kafka, "sandboxed")
     workers = [h for h in cluster.hosts if h != "driver"]
     before = {h: ours_on(cluster, h) for h in workers}
     cluster.forward(kafka.bootstrap_servers)  # its probes run on the worker hosts: before the watcher starts
@@ -227,11 +232,7 @@ def test_executors_mode_under_dynamic_allocation_lets_removed_executors_agents_g
     of a removed executor (a process that outlives tasks, so nothing of Spark's ends it) leaves once what it
     holds is acknowledged, instead of holding share-group members until the query ends; none is left after."""
     cluster = namespace_cluster
-    w = Workload(kafka, "elastic", partitions=3)
-    ids = w.produce(1500)
-    kafka.set_record_lock_duration(AWAIT_LOCK_MS)
-    group = kafka.group(gid())
-    shared = os.path.join(cluster.shared, f"elastic-{gid()}")
+    w, ids, group, shared = elastic_backlog(cluster, kafka, "elastic")
     cluster.forward(kafka.bootstrap_servers)
     app = cluster_runs.run_app(cluster, kafka, "drain", w.topic, group, shared, "--partitions", "3",
                                "--max-per-trigger", "300", "--option", "readMode=executors", *DYNAMIC_ALLOCATION)
