@@ -101,7 +101,7 @@ class AgentRoster:
             return False
         with self.lock:
             conns = list(self.conns.values())
-        if len(conns) != 1:  # one agent per query run on a host
+        if len(conns) != 1:  # local mode: one executor, so one agent per query run
             return False
         call_async(conns[0], Prefetch(b.batch, b.slots, self.policy.slot_budgets(b)[0], self.opts.poll_timeout_ms,
                                       self.policy.carry_ms))
