@@ -230,6 +230,13 @@ REJECTED_KAFKA = {
     "key.deserializer": "keys are returned as binary; cast or decode them in Spark",
     "value.deserializer": "values are returned as binary; cast or decode them in Spark",
     "enable.partition.eof": "not applicable to a share consumer",
+    # librdkafka refuses these for a share consumer ("is not applicable for share consumer"): said here, at start.
+    "queued.min.messages": "a share consumer has no prefetch queue to size (librdkafka refuses it)",
+    "queued.max.messages.kbytes": "a share consumer has no prefetch queue to size (librdkafka refuses it); "
+                                  "bound a poll with kafka.max.poll.records or kafka.fetch.max.bytes",
+    "fetch.queue.backoff.ms": "a share consumer has no prefetch queue (librdkafka refuses it)",
+    "fetch.error.backoff.ms": "not applicable to a share consumer (librdkafka refuses it)",
+    "group.remote.assignor": "the broker assigns partitions of a share group",
 }
 
 _SECRET_KEY = re.compile(r"(password|secret|token|credential|\.key$|key\.pem|keystore\.pem|jaas)", re.I)

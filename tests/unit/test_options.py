@@ -59,6 +59,23 @@ def test_consumer_configs_a_share_consumer_rejects(key):
         parse_options(dict(BASE, **{"kafka." + key: "1"}))
 
 
+LIBRDKAFKA_REFUSES = {"queued.min.messages": "10", "queued.max.messages.kbytes": "4096", "fetch.queue.backoff.ms": "10",
+                      "fetch.error.backoff.ms": "10", "group.remote.assignor": "uniform", "enable.partition.eof": "true",
+                      "isolation.level": "read_committed"}  # each with a value a classic consumer takes
+
+
+@pytest.mark.parametrize("key,value", LIBRDKAFKA_REFUSES.items())
+def test_what_librdkafka_refuses_a_share_consumer_is_refused_at_start_naming_it(key, value):
+    """The share consumer of the confluent-kafka we ship with refuses these (only once an agent or the source
+    runner creates one, deep in the query's start): the options refuse them first, saying why."""
+    from confluent_kafka import ShareConsumer
+
+    with pytest.raises(Exception, match="not applicable for share consumer"):
+        ShareConsumer({"bootstrap.servers": "127.0.0.1:1", "group.id": "g", key: value}).close()
+    with pytest.raises(OptionError, match=r"option 'kafka\." + key.replace(".", r"\.") + "' is not accepted by a share consumer"):
+        parse_options(dict(BASE, **{"kafka." + key: value}))
+
+
 def test_unknown_option_is_named():
     with pytest.raises(OptionError, match="'subscibe'"):
         parse_options(dict(BASE, subscibe="x"))
@@ -177,3 +194,13 @@ def test_read_mode_is_driver_unless_executors_is_asked_for():
     assert parse_options(dict(BASE, readmode="Executors")).read_mode == "executors"
     with pytest.raises(OptionError, match=r"option 'readMode' must be one of driver, executors, got 'driver-side'"):
         parse_options(dict(BASE, readMode="driver-side"))
+
+
+def test_an_agents_memory_budget_is_for_executors_mode_only():
+    assert parse_options(dict(BASE, readMode="executors")).agent_cache_bytes is None  # the agent's default
+    assert parse_options(dict(BASE, readMode="executors", agentCacheBytes="0")).agent_cache_bytes == 0
+    with pytest.raises(OptionError, match=r"'agentCacheBytes' bounds the memory of the agents of readMode=executors.*"
+                                          r"remove it, or set readMode to executors"):
+        parse_options(dict(BASE, agentCacheBytes="1000000"))  # readMode=driver: no agent on the executors
+    with pytest.raises(OptionError, match=r"option 'agentCacheBytes' must be between 0 and"):
+        parse_options(dict(BASE, readMode="executors", agentCacheBytes="-1"))
