@@ -41,6 +41,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 LOCK_S = 12  # the group's record lock; faults with a length last twice that
+SESSION_S = 6  # the group's session timeout
 PARTITIONS = 6
 RATE = (50, 0.5)  # records every so many seconds
 FAULTS = ("link_cut", "driver_cut", "impaired", "broker_down", "host_lost", "agent_killed", "driver_lost")
@@ -367,7 +368,10 @@ def keep_logs(cluster, hosts, out: str) -> None:
         os.makedirs(dest, exist_ok=True)
         for path in cluster_runs.spark_share_files(cluster, host):
             if cluster_runs.is_log(path):
-                shutil.copy(path, dest)
+                try:
+                    shutil.copy(path, dest)
+                except OSError:  # removed meanwhile with its application's local dirs
+                    pass
 
 
 def main(argv=None) -> int:
@@ -391,7 +395,7 @@ def main(argv=None) -> int:
     print(f"soak: {args.minutes} min, seed {args.seed}, a fault every {args.mean_gap:.0f} s on average after the "
           "one before ends", flush=True)
     cluster = cluster_runs.start_cluster()
-    kafka = EmbeddedCluster(brokers=3, record_lock_duration_ms=LOCK_S * 1000, session_timeout_ms=6000)
+    kafka = EmbeddedCluster(brokers=3, record_lock_duration_ms=LOCK_S * 1000, session_timeout_ms=SESSION_S * 1000)
     producer = operator = sampler = None
     try:
         w = Workload(kafka, "soak", partitions=PARTITIONS)
@@ -414,7 +418,8 @@ def main(argv=None) -> int:
         while not ids <= set(ids_of(cluster_runs.written(shared))) and time.monotonic() < deadline:
             driver.restart_if_ended()
             time.sleep(2.0)  # a bounded wait for the stream to write the last records
-        # Read while the application runs: Spark removes its executors' local dirs, the agents' logs with them.
+        # Read while the application runs: Spark removes its executors' local dirs, the agents' logs with them
+        # (copied again after the stop, for their last lines, where they are still there).
         joins = member_joins(cluster, cluster.hosts)
         keep_logs(cluster, cluster.hosts, args.out)
         res = driver.stop(300)
@@ -434,7 +439,14 @@ def main(argv=None) -> int:
         while any(agents_left.values()) and time.monotonic() < deadline:
             time.sleep(1.0)  # agents end once their tracker is gone: a bounded wait
             agents_left = {h: cluster_runs.agents_on(cluster, h) for h in cluster.hosts}
+        keep_logs(cluster, cluster.hosts, args.out)
+        # A member whose consumer ended without leaving (its agent killed, or cut off at the end) is the
+        # broker's until the session timeout: one still there after it is one left behind.
+        deadline = time.monotonic() + SESSION_S + 10
         members_left = ShareGroups(kafka).members(group)
+        while members_left and time.monotonic() < deadline:
+            time.sleep(0.5)  # a bounded wait for the broker's session timeout
+            members_left = ShareGroups(kafka).members(group)
         try:
             verdicts = resources.growth_verdict(samples, min(args.warmup_minutes * 60, seconds / 3))
         except ValueError as e:  # too short a run to judge growth (CI's few minutes)
