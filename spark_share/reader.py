@@ -19,7 +19,7 @@ import sys
 import threading
 from collections.abc import Iterator
 
-from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
+from pyspark.sql.datasource import DataSourceStreamReader
 
 from . import runtime
 from .consumers import records
@@ -27,31 +27,11 @@ from .errors import SourceError
 from .executor import read_task
 from .offsets import INITIAL, batch_of, offset_of
 from .options import ShareSourceOptions, scrub
+from .partitions import RowsPartition, SharePartition
 from .spark_versions import ReadAllAvailable, ReadMaxRows, SupportsTriggerAvailableNow, max_rows
 
 log = logging.getLogger("spark_share.reader")
 
-
-
-class SharePartition(InputPartition):
-    """One Spark task = one share consumer's single poll for one batch."""
-
-    def __init__(self, tracker_host: str, tracker_port: int, tracker_id: str, secret: str, batch: int,
-                 slot: int, max_records: int | None, poll_timeout_ms: int):
-        super().__init__(None)
-        self.tracker_host = tracker_host
-        self.tracker_port = tracker_port
-        self.tracker_id = tracker_id
-        self.secret = secret
-        self.batch = batch
-        self.slot = slot
-        self.max_records = max_records
-        self.poll_timeout_ms = poll_timeout_ms
-
-    def __repr__(self) -> str:  # the secret stays out of plans, logs and UIs
-        return f"SharePartition(batch={self.batch}, slot={self.slot}, max_records={self.max_records})"
-
-    __str__ = __repr__
 
 
 def _start_agent_early(t) -> None:
@@ -155,8 +135,8 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if self._driver_reads is not None:
             self._driver_reads.close()
 
-    def read(self, partition: SharePartition) -> Iterator:  # type: ignore[override]
-        if hasattr(partition, "ipc"):  # readMode=driver: the rows came in the task
+    def read(self, partition: SharePartition | RowsPartition) -> Iterator:  # type: ignore[override]
+        if isinstance(partition, RowsPartition):  # readMode=driver: the rows came in the task
             yield from records.from_ipc(partition.ipc)
             return
         yield from read_task.read(partition, self.opts)  # executor side: this executor's agent serves it

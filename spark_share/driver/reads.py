@@ -16,11 +16,10 @@ import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from pyspark.sql.datasource import InputPartition
-
 from ..consumers import records
 from ..consumers.agent import CLOSE_WAIT_S, Agent
 from ..options import ShareSourceOptions
+from ..partitions import RowsPartition
 
 log = logging.getLogger("spark_share.driver.reads")
 
@@ -28,20 +27,6 @@ log = logging.getLogger("spark_share.driver.reads")
 # crosses Spark's RPC (spark.rpc.message.maxSize, 128 MiB by default) and sits in the driver's memory
 # until the batch ends; Spark warns above 1 MiB per task, which a full poll of 100-byte records passes.
 PARTITION_BYTES = 16 << 20
-
-
-class RowsPartition(InputPartition):
-    """One Spark task of a ``readMode=driver`` batch: the rows themselves, as Arrow IPC. A task retry, a
-    second action on the batch DataFrame or a lost executor gets these same rows from Spark."""
-
-    def __init__(self, batch: int, slot: int, piece: int, ipc: bytes):
-        super().__init__(None)
-        self.batch, self.slot, self.piece, self.ipc = batch, slot, piece, ipc
-
-    def __repr__(self) -> str:
-        return f"RowsPartition(batch={self.batch}, slot={self.slot}, piece={self.piece}, bytes={len(self.ipc)})"
-
-    __str__ = __repr__
 
 
 class DriverReads:

@@ -23,7 +23,7 @@ READ_TIMEOUT_S = 600.0
 
 
 def read(partition, opts: ShareSourceOptions) -> Iterator:
-    """The rows of ``partition`` (a ``reader.SharePartition``), from this executor's agent."""
+    """The rows of ``partition`` (a ``partitions.SharePartition``), from this executor's agent."""
     from pyspark import TaskContext
 
     ctx = TaskContext.get()

@@ -528,7 +528,8 @@ def test_secrets_never_leak(spark, kafka, tmp_path):
     texts.append(str(e.value))
     texts.append(json.dumps([json.loads(p.json) for p in q.recentProgress]))
     from spark_share.options import parse_options
-    from spark_share.reader import SharePartition, ShareStreamReader
+    from spark_share.partitions import SharePartition
+    from spark_share.reader import ShareStreamReader
     reader = ShareStreamReader(parse_options({**kafka_options(kafka), "kafka.group.id": kafka.group("g"),
                                               "subscribe": w.topic, **opts}))
     texts += [repr(reader.opts), str(reader.opts), repr(SharePartition("h", 1, "t", secret, 0, 0, None, 1))]

@@ -8,7 +8,8 @@ import pyarrow as pa
 
 from spark_share.consumers import records
 from spark_share.driver import reads as driver_reads
-from spark_share.driver.reads import RowsPartition, _pieces
+from spark_share.driver.reads import _pieces
+from spark_share.partitions import RowsPartition
 
 
 def slot_rows(n: int, value_bytes: int) -> pa.RecordBatch:
