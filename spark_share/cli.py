@@ -169,9 +169,9 @@ def _status(args: argparse.Namespace) -> int:
     import json
 
     from .transport.protocol import Status, call
-    from .user.client import trackers_on_this_host
+    from .user.client import trackers_reachable
 
-    conns = trackers_on_this_host()
+    conns = trackers_reachable()
     if not conns:
         print("no kafka-share query runs on this host (as this user)")
         return 0

@@ -184,8 +184,17 @@ OPTIONS: tuple[Option, ...] = (
            "agent keeps in memory (re-reads and retries get them from there). Past it, a batch waits in a file "
            "in the executor's Spark local dir, memory-mapped (the operating system may drop its pages). "
            "Default: 256 MiB"),
+    Option("exchangeLocation", "exchange_location", None, plain_text,
+           "a directory that both the source's process on the driver and your foreachBatch code see as files "
+           "(a Unity Catalog volume such as `/Volumes/main/ops/spark_share`, a mounted file system). Give it "
+           "where the platform runs your code in a sandbox apart from Spark's own processes: `reject()` and "
+           "`release()` then reach the source through it. Not needed elsewhere (they use the driver host's "
+           "runtime directory)"),
 )
 _BY_NAME = {o.name.lower(): o for o in OPTIONS}
+
+# The key of the batch DataFrame's offset-column metadata that names the source's exchangeLocation.
+EXCHANGE_METADATA = "spark_share.exchangeLocation"
 
 # kafka.* options we check before passing them on.
 CHECKED_KAFKA = {"max.poll.records": integer(1, 1_000_000)}
@@ -277,6 +286,7 @@ class ShareSourceOptions:
     tracker_ports: tuple[int, int]  # first and last port the tracker may listen on; (0, 0): any
     read_mode: str  # "executors" (an agent per executor) or "driver" (the consumers beside the tracker)
     agent_cache_bytes: int | None  # an agent's cached batches in memory (consumers.spill), if the user gave it
+    exchange_location: str | None  # a directory the user's code and the source both see (transport.mailbox)
     # kafka.* options other than bootstrap servers and group id, prefix removed.
     kafka: dict[str, str]
 
@@ -373,6 +383,10 @@ def _check_together(opts: ShareSourceOptions) -> None:
     if opts.agent_cache_bytes is not None and opts.read_mode != "executors":
         raise OptionError("option 'agentCacheBytes' bounds the memory of the agents of readMode=executors; "
                           "with readMode=driver no agent runs on the executors: remove it, or set readMode to executors")
+    if opts.exchange_location is not None and not opts.exchange_location.startswith("/"):
+        raise OptionError(f"option 'exchangeLocation' = {opts.exchange_location!r} must be an absolute directory path "
+                          "that both the driver's processes and your code open as files (e.g. /Volumes/main/ops/"
+                          "spark_share, or /dbfs/... rather than dbfs:/...), not a URI or a relative path")
     if opts.max_delivery_count is not None and not opts.dead_letter:
         raise OptionError("option 'maxDeliveryCount' needs a dead-letter target ('deadLetterTopic' or 'deadLetterPath') "
                           "so the records it rejects can be found")

@@ -9,8 +9,8 @@ import os
 
 from pyspark.sql.datasource import DataSource
 
-from .consumers.records import spark_schema
-from .options import parse_options
+from .consumers.records import spark_schema, spark_struct
+from .options import EXCHANGE_METADATA, parse_options
 
 
 class KafkaShareDataSource(DataSource):
@@ -54,8 +54,13 @@ class KafkaShareDataSource(DataSource):
         super().__init__(options)
         self.share_options = parse_options(dict(options))
 
-    def schema(self) -> str:
-        return spark_schema(self.share_options.include_headers)
+    def schema(self):
+        o = self.share_options
+        if o.exchange_location is None:
+            return spark_schema(o.include_headers)
+        # The batch's DataFrame carries the location to reject()/release() in the user's code, which sees
+        # no option of the source's: in the metadata of its offset column, which Spark keeps.
+        return spark_struct(o.include_headers, {EXCHANGE_METADATA: o.exchange_location})
 
     def streamReader(self, schema):
         from .reader import ShareStreamReader

@@ -38,6 +38,15 @@ def spark_schema(include_headers: bool) -> str:
     return SPARK_SCHEMA + (SPARK_HEADERS if include_headers else "")
 
 
+def spark_struct(include_headers: bool, offset_metadata: dict):
+    """``spark_schema`` as a ``StructType``, with ``offset_metadata`` on the offset column."""
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    struct = from_arrow_schema(arrow_schema(include_headers))
+    struct["offset"].metadata = dict(offset_metadata)
+    return struct
+
+
 def arrow_schema(include_headers: bool) -> pa.Schema:
     return ARROW_SCHEMA_HEADERS if include_headers else ARROW_SCHEMA
 

@@ -31,10 +31,10 @@ from .. import runtime
 from ..acknowledgement import ACCEPT, RELEASE
 from ..deadletter_target import check_target
 from ..errors import SourceError
-from ..options import ShareSourceOptions
+from ..options import ShareSourceOptions, scrub
 from ..spark_versions import available_now_refusal
 from ..transport import wire
-from ..transport.protocol import Trim, call_async
+from ..transport.protocol import USER_TO_TRACKER_BY_FILE, Trim, call_async, dispatcher
 from .acks import AGENT_LOST, Acknowledger
 from .agents import AgentRoster, one_host
 from .batches import ACKING, FINISHED, VOID, BatchState
@@ -120,17 +120,19 @@ class Tracker(TrackerRequests, TrackerReports):
         # What was queued when this run started: what spark_share.drain() drains where Spark has no
         # Trigger.AvailableNow for a Python source (< 4.2).
         self.start_high = dict(self.metadata.high)
-        # Last, once nothing here can fail: foreachBatch under Spark Connect and the listener on the
-        # server find the tracker by its id (its query id is not known yet).
-        self.registration = Registration(self.tracker_id, {"host": self.address[0], "port": self.address[1],
-                                                           "secret": self.secret, "tracker_id": self.tracker_id,
-                                                           "pid": os.getpid()})
+        # foreachBatch under Spark Connect and the listener on the server find the tracker by its id (its
+        # query id is not known yet); user code that shares nothing with this host, by its exchangeLocation.
         try:
+            self.registration = Registration(
+                self.tracker_id, {"host": self.address[0], "port": self.address[1], "secret": self.secret,
+                                  "tracker_id": self.tracker_id, "pid": os.getpid()},
+                opts.exchange_location, dispatcher(self, USER_TO_TRACKER_BY_FILE), lambda s: scrub(s, self._secrets))
             self._size_batches()
         except BaseException:
             self.server.close()
             self.metadata.close()
-            self.registration.remove()
+            if hasattr(self, "registration"):
+                self.registration.remove()
             runtime.stop_logging_to(self._log_file)
             runtime.release_tracker_lock(self.tracker_id, self._alive_fd)
             raise

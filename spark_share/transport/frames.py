@@ -80,3 +80,16 @@ class FrameReader:
 def encode_frame(header: dict, blob: Blob) -> tuple[bytes, Blob]:
     h = json.dumps(header, separators=(",", ":")).encode()
     return FRAME.pack(len(h), len(blob)) + h, blob
+
+
+def decode_frame(data: bytes) -> tuple[dict, bytes]:
+    """One whole frame held in memory (a file of ``mailbox``'s), with the bounds a connection checks."""
+    if len(data) < FRAME.size:
+        raise ProtocolError("a truncated frame")
+    hl, bl = FRAME.unpack_from(data)
+    if hl > MAX_HEADER or bl > MAX_BLOB or hl == 0 or len(data) != FRAME.size + hl + bl:
+        raise ProtocolError(f"a malformed frame ({hl} + {bl} bytes in {len(data)})")
+    header = json.loads(data[FRAME.size:FRAME.size + hl])
+    if not isinstance(header, dict):
+        raise ProtocolError("malformed frame header")
+    return header, data[FRAME.size + hl:]

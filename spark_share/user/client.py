@@ -1,9 +1,10 @@
 """The user's process talking to a query's tracker on this host: connections and ``status``.
 
 Owns: finding a running query's tracker through the registry entry it wrote (address and per-query
-secret, owner-only) by query id or by tracker id, one authenticated connection per tracker kept
-while its query runs, and ``status(query)`` (under Spark Connect, from the query's progress when
-the tracker is on another host).
+secret, owner-only) by query id or by tracker id, or through its mailbox under the source's
+``exchangeLocation``; one authenticated connection per tracker kept while its query runs; and
+``status(query)`` (from the query's progress when the tracker is out of this process's view: on
+another host, or in a sandbox of its own).
 
 Must never: connect to anything but an address from this host's registry, or keep a connection
 after its query terminated (the listener drops it).
@@ -15,7 +16,7 @@ import time
 
 from .. import connect, offsets, runtime, spark_versions
 from ..errors import PeerConnectionError, VerdictError
-from ..transport import endpoints, wire
+from ..transport import endpoints, mailbox, wire
 from ..transport.protocol import Status, call
 
 _conns: dict[str, wire.RpcConnection] = {}  # tracker id -> connection
@@ -60,11 +61,12 @@ def tracker_by_id(tracker_id: str, query_id: str | None = None) -> wire.RpcConne
         return conn
 
 
-def trackers_on_this_host() -> list[wire.RpcConnection]:
-    """Connections to every tracker running on this host."""
+def trackers_reachable(exchange_location: str | None = None) -> list:
+    """Connections to every tracker running on this host, then the mailboxes of those running under
+    ``exchange_location`` (the source's option, for trackers this process cannot see otherwise)."""
     with _conns_lock:
-        found = (_connect(e) for e in runtime.live_run_entries())
-        return [c for c in found if c is not None]
+        found = [c for c in (_connect(e) for e in runtime.live_run_entries()) if c is not None]
+    return found + (mailbox.live_mailboxes(exchange_location) if exchange_location else [])
 
 
 def forget(query_id: str) -> None:
@@ -92,7 +94,11 @@ def status(query) -> dict:
         final = runtime.read_json(runtime.final_counts_path(query_id))
         if final is not None and not query.isActive:
             return final
-        if runtime.registry_entry(query_id) is None or time.monotonic() > deadline:
+        if runtime.registry_entry(query_id) is None:
+            # No tracker of this host's runtime directory ever served it: its tracker is out of this
+            # process's view (a sandbox of its own, another host); the query's progress still says.
+            return _status_from_progress(query)
+        if time.monotonic() > deadline:
             raise VerdictError(f"query {query_id} is not a kafka-share query of this host (running or ended here)")
         time.sleep(0.05)  # the run is stopping: its tracker writes the counts within its bounded stop
 
@@ -108,8 +114,9 @@ def kafka_share_progress(progress) -> dict | None:
 
 
 def _status_from_progress(query) -> dict:
-    """Under Spark Connect: the tracker's full status when it runs on this host (a Connect server in
-    this process), else the counts of the query's last progress (as of that batch's planning)."""
+    """Where the tracker is out of this process's view (a Spark Connect client, a sandbox): the tracker's full
+    status when it runs on this host after all (a Connect server in this process), else the counts of the
+    query's last progress (as of that batch's planning)."""
     last = query.lastProgress
     ends = [r for r in (offsets.reported(s.endOffset) for s in (last.sources if last else [])) if r is not None]
     conn = tracker_by_id(ends[0][1]) if ends and ends[0][1] else tracker_for(str(query.id))
@@ -120,8 +127,9 @@ def _status_from_progress(query) -> dict:
     if counts is not None:
         return dict(counts, view="lastProgress", sparkBatch=last.batchId, timestamp=last.timestamp)
     if ends:
-        raise VerdictError(f"query {query.id}: its tracker runs on the Spark Connect server's host, and this "
+        raise VerdictError(f"query {query.id}: its tracker runs out of this process's view (on the Spark Connect "
+                           "server's host, or in a sandbox of its own), and this "
                            f"Spark ({spark_versions.VERSION_TEXT}) reports no source counters in the progress "
-                           "(Spark >= 4.2 does): call status() on that host, or run 'spark-share status' there")
+                           "(Spark >= 4.2 does): call status() where the tracker runs, or run 'spark-share status' there")
     raise VerdictError(f"query {query.id} has reported no kafka-share progress yet (it has not planned a batch, "
                        "or it does not read format('kafka-share')); try again after its first batch")

@@ -106,6 +106,20 @@ def kept_under_tmp(*more: str) -> list[str]:
     return [p[len("/tmp/"):] for p in outer]
 
 
+def private_tmp_command(argv: list[str], stage: str, *more: str) -> list[str] | None:
+    """``argv`` in a mount namespace of its own whose /tmp is an empty tmpfs but for this repository, its
+    virtualenv and ``more`` when they are under /tmp (a CI clone, a test's shared directory), bound there
+    from ``stage``, a directory outside /tmp (None where this process may not make one: not root, or no
+    ``unshare``)."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return None
+    script = ('stage="$1"; shift; mount --bind /tmp "$stage" && mount -t tmpfs -o mode=1777 tmpfs /tmp || exit 1\n'
+              'while [ "$1" != "--" ]; do mkdir -p "/tmp/$1" && mount --bind "$stage/$1" "/tmp/$1" || exit 1; shift; done\n'
+              'shift; exec "$@"')
+    return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh", stage,
+            *kept_under_tmp(*more), "--", *argv]
+
+
 class NamespaceCluster:
     """``workers`` worker hosts (``cores`` each) and a driver host that also runs the master."""
 

@@ -646,3 +646,31 @@ def run_available_now(spark, kafka, group, topics, foreach, ckpt, **options):
          .option("checkpointLocation", ckpt))
     assert q.awaitTermination(180), "AvailableNow run did not end"
     return q
+
+
+def parquet_rows(path, columns) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    files = glob.glob(os.path.join(str(path), "**", "*.parquet"), recursive=True)
+    return [r for f in files for r in pq.read_table(f, columns=columns).to_pylist()]
+
+
+def check_tens_rejected(kafka, group: str, topic: str, ids: list[int], out: str, seen: dict) -> None:
+    """A drain whose foreachBatch rejected every id divisible by ten (reason "tens", dead-lettered to
+    ``out``-dlq) and wrote the others to ``out``, run by a program that asked ``status()`` at its end and
+    said what it got in ``seen``: every id written or dead-lettered once, 0 lost, nothing left queued, and
+    the status from the query's progress (Spark >= 4.2; before, an error that says why)."""
+    from spark_share import spark_versions
+
+    dead = {json.loads(bytes(r["value"]))["id"]: r["reason"] for r in parquet_rows(str(out) + "-dlq", ["value", "reason"])}
+    assert dead == {i: "tens" for i in ids if i % 10 == 0}
+    written = ids_of(parquet_rows(out, ["value"]))
+    assert sorted(written) == sorted(i for i in ids if i % 10 != 0), "a written row is missing or twice"
+    check_no_loss(ids, written, list(dead))
+    assert drain_share_group(kafka, group, [topic], timeout=3) == [], "records left behind"
+    if spark_versions.ADMISSION_CONTROL:
+        status = seen.get("status") or {}
+        assert status.get("view") == "lastProgress" and status.get("rejected") == len(dead) and \
+            status.get("accepted") == len(written), seen
+    else:  # Spark < 4.2: the progress carries no source counters, and the error says where to look
+        assert "reports no source counters" in seen.get("statusError", ""), seen

@@ -23,15 +23,18 @@ import pytest
 
 import spark_share
 from harness import support
+from harness.spark_hosts import private_tmp_command
 from harness.support import (
     Workload,
     agent_processes,
     check_no_loss,
+    check_tens_rejected,
     drain_share_group,
     gid,
     ids_of,
     kafka_options,
     long_trigger,
+    parquet_rows,
     runner_processes,
     summary_count,
     wait_until,
@@ -117,8 +120,7 @@ def _parquet_ids(path) -> list[int]:
 
 
 def _parquet_rows(path, columns) -> list[dict]:
-    files = glob.glob(os.path.join(str(path), "**", "*.parquet"), recursive=True)
-    return [r for f in files for r in pq.read_table(f, columns=columns).to_pylist()]
+    return parquet_rows(path, columns)
 
 
 def _json_lines(path) -> list[dict]:
@@ -381,21 +383,6 @@ def test_failure_stop_and_restart_lose_nothing(remote, kafka, tmp_path):
         "the stopped run let go of everything it held: the drain that replays its batch waits for no lock"
 
 
-def _private_tmp_command(argv: list[str], stage: str) -> list[str] | None:
-    """``argv`` in a mount namespace of its own whose /tmp is an empty tmpfs but for this repository and its
-    virtualenv when they are under /tmp (a CI clone), bound there from ``stage``, a directory outside /tmp
-    (None where this process may not make one: not root, or no ``unshare``)."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        return None
-    from harness.spark_hosts import kept_under_tmp
-
-    script = ('stage="$1"; shift; mount --bind /tmp "$stage" && mount -t tmpfs -o mode=1777 tmpfs /tmp || exit 1\n'
-              'while [ "$1" != "--" ]; do mkdir -p "/tmp/$1" && mount --bind "$stage/$1" "/tmp/$1" || exit 1; shift; done\n'
-              'shift; exec "$@"')
-    return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh", stage,
-            *kept_under_tmp(), "--", *argv]
-
-
 @pytest.mark.both_read_modes
 def test_a_client_that_shares_no_file_system_with_the_server(connect_url, kafka, tmp_path):
     """The client in a mount namespace of its own, with an empty /tmp and none of our environment variables
@@ -408,7 +395,7 @@ def test_a_client_that_shares_no_file_system_with_the_server(connect_url, kafka,
     out, group = str(tmp_path / "out"), kafka.group(gid())
     stage = tempfile.mkdtemp(prefix="connect-client-stage-", dir="/var/tmp")
     try:
-        cmd = _private_tmp_command([sys.executable, os.path.join(TESTS, "integration", "connect_client_app.py"),
+        cmd = private_tmp_command([sys.executable, os.path.join(TESTS, "integration", "connect_client_app.py"),
                                     "--remote", connect_url, "--bootstrap", kafka.bootstrap_servers, "--topic",
                                     w.topic, "--group", group, "--read-mode", support.READ_MODE, "--out", out,
                                     "--checkpoint", str(tmp_path / "ck")], stage)
@@ -428,18 +415,7 @@ def test_a_client_that_shares_no_file_system_with_the_server(connect_url, kafka,
                message="the run's tracker left no final counts in the server's runtime directory")
     assert not any(n.startswith("spark-share") for n in seen["tmp"]), f"the client saw our files: {seen['tmp']}"
 
-    dead = {json.loads(bytes(r["value"]))["id"]: r["reason"] for r in _parquet_rows(out + "-dlq", ["value", "reason"])}
-    assert dead == {i: "tens" for i in ids if i % 10 == 0}
-    written = _parquet_ids(out)
-    assert sorted(written) == sorted(i for i in ids if i % 10 != 0), "a written row is missing or twice"
-    check_no_loss(ids, written, list(dead))
-    assert drain_share_group(kafka, group, [w.topic], timeout=3) == [], "records left behind"
-    if spark_versions.ADMISSION_CONTROL:
-        status = seen.get("status") or {}
-        assert status.get("view") == "lastProgress" and status.get("rejected") == 30 and \
-            status.get("accepted") == 270, seen
-    else:  # Spark < 4.2: the progress carries no source counters, and the error says where to look
-        assert "reports no source counters" in seen.get("statusError", ""), seen
+    check_tens_rejected(kafka, group, w.topic, ids, out, seen)
     wait_until(lambda: not agent_processes() and not runner_processes(), timeout=60,
                message="the query's processes were left running on the server")
 

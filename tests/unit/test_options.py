@@ -204,3 +204,11 @@ def test_an_agents_memory_budget_is_for_executors_mode_only():
         parse_options(dict(BASE, agentCacheBytes="1000000"))  # readMode=driver: no agent on the executors
     with pytest.raises(OptionError, match=r"option 'agentCacheBytes' must be between 0 and"):
         parse_options(dict(BASE, readMode="executors", agentCacheBytes="-1"))
+
+
+def test_an_exchange_location_is_an_absolute_directory_path():
+    assert parse_options(BASE).exchange_location is None  # the driver host's runtime directory serves
+    assert parse_options(dict(BASE, exchangeLocation="/Volumes/main/ops/q")).exchange_location == "/Volumes/main/ops/q"
+    for bad in ("dbfs:/ops/q", "s3://bucket/q", "relative/dir"):
+        with pytest.raises(OptionError, match=r"option 'exchangeLocation' = .*must be an absolute directory path"):
+            parse_options(dict(BASE, exchangeLocation=bad))

@@ -1,4 +1,6 @@
 
+import pytest
+
 from spark_share.consumers import records
 
 
@@ -66,3 +68,20 @@ def test_a_single_topic_consumer_gets_the_same_batch_without_asking_each_message
     rb, acquired = records.to_record_batch(msgs, False)
     rb1, acquired1 = records.to_record_batch(msgs, False, topic="t")
     assert rb1.equals(rb) and acquired1 == acquired == {"t": {0: [[1, 2]], 1: [[5, 5]]}}
+
+
+@pytest.mark.parametrize("headers", [False, True])
+def test_the_schema_with_an_exchange_location_is_the_ddl_schema_with_the_location_on_offset(headers):
+    from spark_share.options import EXCHANGE_METADATA, parse_options
+    from spark_share.source import KafkaShareDataSource
+
+    base = {"kafka.bootstrap.servers": "b:9092", "kafka.group.id": "g", "subscribe": "t",
+            "includeHeaders": str(headers).lower()}
+    assert KafkaShareDataSource(base).schema() == records.spark_schema(headers)  # unchanged without the option
+    struct = KafkaShareDataSource(dict(base, exchangeLocation="/Volumes/a/b/c")).schema()
+    ddl = records.spark_schema(headers).replace("long", "bigint").replace("array<struct<key: string, value: binary>>",
+                                                                          "array<struct<key:string,value:binary>>")
+    assert struct.simpleString() == "struct<" + ",".join(f.replace(" ", ":", 1) for f in ddl.split(", ")) + ">"
+    assert struct["offset"].metadata == {EXCHANGE_METADATA: "/Volumes/a/b/c"}
+    assert all(not f.metadata for f in struct.fields if f.name != "offset")
+    assert parse_options(dict(base, exchangeLocation="/Volumes/a/b/c")).exchange_location == "/Volumes/a/b/c"

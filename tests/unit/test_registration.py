@@ -68,3 +68,23 @@ def test_the_entry_of_a_tracker_that_is_gone_does_not_block_a_new_run():
     r = Registration("ffff6666", entry("ffff6666"))
     assert r.serve("q-1")
     assert runtime.live_registry_entry("q-1")["tracker_id"] == "ffff6666"
+
+
+def test_a_run_with_an_exchange_location_answers_in_its_mailbox_until_it_stops(tmp_path):
+    from spark_share.transport.mailbox import live_mailboxes
+
+    location = tmp_path / "exchange"
+    r = Registration("cccc3333", entry("cccc3333"), str(location), handler=lambda conn, h, b: ({"echo": h["op"]}, b""))
+    assert stat.S_IMODE(os.stat(location / "cccc3333").st_mode) == 0o700
+    (box,) = live_mailboxes(str(location))
+    assert box.call({"op": "verdicts"}, timeout=10)[0] == {"echo": "verdicts"}
+    r.remove()
+    assert live_mailboxes(str(location)) == [] and not (location / "cccc3333").exists()
+
+
+def test_an_exchange_location_the_driver_cannot_write_is_refused_naming_the_option(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(SourceError, match=r"option 'exchangeLocation' = .*cannot make this run's directory"):
+        Registration("dddd4444", entry("dddd4444"), str(blocker / "sub"), handler=lambda *a: ({}, b""))
+    assert runtime.read_json(runtime.run_registry_path("dddd4444")) is None  # nothing left registered
