@@ -10,7 +10,8 @@ import os
 from pyspark.sql.datasource import DataSource
 
 from .consumers.records import spark_schema, spark_struct
-from .options import EXCHANGE_METADATA, parse_options
+from .options import EXCHANGE_METADATA, OptionError, parse_options
+from .spark_versions import exchange_location_refusal
 
 
 class KafkaShareDataSource(DataSource):
@@ -53,6 +54,8 @@ class KafkaShareDataSource(DataSource):
     def __init__(self, options):
         super().__init__(options)
         self.share_options = parse_options(dict(options))
+        if self.share_options.exchange_location is not None and exchange_location_refusal():
+            raise OptionError(exchange_location_refusal())
 
     def schema(self):
         o = self.share_options

@@ -70,7 +70,11 @@ def main(argv: list[str]) -> int:
             seen["withoutEnded"] = True
         seen["withoutException"] = str(q.exception()) if q.exception() else None
         q.stop()
-        q = start(args.exchange, args.checkpoint)
+        try:
+            q = start(args.exchange, args.checkpoint)
+        except Exception as e:  # Spark < 4.2 refuses the option at load()
+            seen["startError"] = str(e)
+            return 0
         seen["queryId"] = str(q.id)
         seen["ended"] = bool(q.awaitTermination(180))
         seen["exception"] = str(q.exception()) if q.exception() else None
@@ -81,7 +85,7 @@ def main(argv: list[str]) -> int:
         q.stop()
     finally:
         spark.stop()
-    print("APP " + json.dumps(seen, default=sorted), flush=True)
+        print("APP " + json.dumps(seen, default=sorted), flush=True)
     return 0
 
 
