@@ -189,7 +189,7 @@ OPTIONS: tuple[Option, ...] = (
            "(a Unity Catalog volume such as `/Volumes/main/ops/spark_share`, a mounted file system). Give it "
            "where the platform runs your code in a sandbox apart from Spark's own processes: `reject()` and "
            "`release()` then reach the source through it. Not needed elsewhere (they use the driver host's "
-           "runtime directory)"),
+           "runtime directory). Spark >= 4.2"),
 )
 _BY_NAME = {o.name.lower(): o for o in OPTIONS}
 
