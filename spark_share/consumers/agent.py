@@ -87,6 +87,8 @@ class Agent(AgentAcknowledgements):
         self._shutting_down = False
         self._orphaned = False  # its executor exited: it leaves once what it holds is acknowledged
         self.done = threading.Event()
+        self._deadletters = None
+        self.server: endpoints.RpcServer | None = None  # with ``serve``, once it has joined
         # An Ack is queued on the consumers on the wire's loop, as it arrives: the tracker does not wait
         # for it (at scale that wait was most of latestOffset), and a claim's answer, which comes behind
         # it on this connection, finds the sessions it frees free.
@@ -94,33 +96,33 @@ class Agent(AgentAcknowledgements):
                                         on_close=lambda _c: self._tracker_lost(), name="agent-tracker",
                                         scrub=self._scrub, inline=lambda header: header.get("op") in ("stage", "ack"))
         self.reads = Bundler(self.tracker)  # this host's reads' Claims and Acquireds, bundled when they meet
-        hello, _ = call(self.tracker, Hello(self.agent_id, socket.gethostname(), os.getpid()), timeout=30)
-        self.config = hello
-        self.tracker.set_keepalive(float(hello["dead_after_s"]))  # a tracker gone silent is a tracker gone
-        self._consumer_config = sized(consumer_config, hello.get("max_poll_records"))
-        self._consumer_config.setdefault("statistics.interval.ms", str(stats_interval_ms(int(hello["partitions"]))))
-        self._producer_config = producer_config
-        # Dead letters carry the original headers even when the query does not read them.
-        self._keep_headers = bool(hello["include_headers"] or hello.get("dead_letter"))
-        self._deadletters = None
-        if hello.get("dead_letter"):
-            from .deadletter import DeadLetterWriter
+        try:  # refused (its tracker began to stop), unanswered, or its socket taken: it leaves, holding nothing
+            hello, _ = call(self.tracker, Hello(self.agent_id, socket.gethostname(), os.getpid()), timeout=30)
+            self.config = hello
+            self.tracker.set_keepalive(float(hello["dead_after_s"]))  # a tracker gone silent is a tracker gone
+            self._consumer_config = sized(consumer_config, hello.get("max_poll_records"))
+            self._consumer_config.setdefault("statistics.interval.ms", str(stats_interval_ms(int(hello["partitions"]))))
+            self._producer_config = producer_config
+            # Dead letters carry the original headers even when the query does not read them.
+            self._keep_headers = bool(hello["include_headers"] or hello.get("dead_letter"))
+            if hello.get("dead_letter"):
+                from .deadletter import DeadLetterWriter
 
-            # Connected before any session joins: the embedded broker ends every share session
-            # when a client drops a connection, as a new producer does with its bootstrap one.
-            self._deadletters = DeadLetterWriter(hello.get("dead_letter_topic"), hello.get("dead_letter_path"),
-                                                 producer_config)
-            self._deadletters.connect()
-        self.pool.start(int(hello.get("slots", 1)))
-        # Batches wait for their acknowledgement here, past the budget in the executor's local dir; in the
-        # source runner (no ``serve``) their rows are in Spark's task payloads anyway.
-        limit = DEFAULT_CACHE_BYTES if hello.get("cache_bytes") is None else int(hello["cache_bytes"])
-        self._budget = SpillBudget(limit, runtime.agent_dir()) if serve else None
-        # Without ``serve`` (readMode=driver: this agent lives in the source runner) no read task reaches it:
-        # the runner reads each slot itself as Spark plans the batch.
-        self.server = endpoints.RpcServer(runtime.agent_address(tracker_id), secret,
-                                          dispatcher(self, TASK_TO_AGENT), name="agent",
-                                          scrub=self._scrub) if serve else None
+                # Connected before any session joins: the embedded broker ends every share session
+                # when a client drops a connection, as a new producer does with its bootstrap one.
+                self._deadletters = DeadLetterWriter(hello.get("dead_letter_topic"), hello.get("dead_letter_path"),
+                                                     producer_config)
+                self._deadletters.connect()
+            self.pool.start(int(hello.get("slots", 1)))
+            # Batches wait for their acknowledgement here, past the budget in the executor's local dir. Without
+            # ``serve`` (readMode=driver, in the source runner) rows go in Spark's task payloads; no read task comes.
+            limit = DEFAULT_CACHE_BYTES if hello.get("cache_bytes") is None else int(hello["cache_bytes"])
+            self._budget = SpillBudget(limit, runtime.agent_dir()) if serve else None
+            self.server = endpoints.RpcServer(runtime.agent_address(tracker_id), secret, dispatcher(self, TASK_TO_AGENT),
+                                              name="agent", scrub=self._scrub) if serve else None
+        except BaseException:
+            self.shutdown()
+            raise
 
     def _new_session(self, max_poll_records: int | None = None):
         from .session import ShareSession
@@ -316,11 +318,8 @@ class Agent(AgentAcknowledgements):
                 return
             self._shutting_down = True
         closing = self.pool.close_all()  # close() releases whatever a session still holds, at once
-        try:
-            if self.server is not None:
-                self.server.close()
-        except Exception:
-            pass
+        if self.server is not None:
+            self.server.close()
         self._leave_host()
         wait_futures(closing, timeout=CLOSE_WAIT_S)
         if self._deadletters is not None:

@@ -37,17 +37,23 @@ class DriverReads:
         self._agent: Future = Future()
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self._closed = False
         # Started on a thread of its own: its consumers join the group while Spark writes the first offsets.
         threading.Thread(target=self._start, args=(tracker,), name="spark-share-driver-agent", daemon=True).start()
 
     def _start(self, tracker) -> None:
         opts = self._opts
         try:
-            self._agent.set_result(Agent(tracker.address, tracker.tracker_id, tracker.secret, opts.consumer_config(),
-                                         opts.producer_config() if opts.dead_letter_topic else {},
-                                         opts.secret_values(), serve=False))
+            agent = Agent(tracker.address, tracker.tracker_id, tracker.secret, opts.consumer_config(),
+                          opts.producer_config() if opts.dead_letter_topic else {}, opts.secret_values(), serve=False)
         except BaseException as e:  # the first batch's planning raises it
             self._agent.set_exception(e)
+            return
+        with self._lock:
+            self._agent.set_result(agent)
+            closed = self._closed
+        if closed:  # the stop came while it started: close() did not see it, so it leaves now
+            agent.shutdown()
 
     def partitions(self, batch: int, budgets: list[int | None]) -> list[RowsPartition]:
         """Every slot of ``batch`` read now, in parallel (a slot read before, by a second planning of the same
@@ -67,7 +73,9 @@ class DriverReads:
 
     def close(self) -> None:
         """After the tracker's stop (which shut the agent down through its connection): wait, bounded, for the
-        consumers to close, then let the read threads go."""
+        consumers to close, then let the read threads go. An agent still starting shuts itself down."""
+        with self._lock:
+            self._closed = True
         if self._agent.done() and self._agent.exception() is None:
             agent = self._agent.result()
             if not agent.done.wait(CLOSE_WAIT_S):

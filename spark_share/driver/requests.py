@@ -96,7 +96,13 @@ class TrackerRequests:
                           f"{host} ({error}); give a wider range, or 0 for any free port")
 
     def _on_hello(self, conn: wire.RpcConnection, m: Hello) -> dict:
-        return self.roster.joined(conn, m, self.ledger.latest())
+        # Under the ledger's lock, which the stop takes to set ``stopping``: an agent admitted here is one the
+        # stop asks to leave; one that says hello after (its connection came as the stop began) is refused,
+        # or its consumers would join the group and hold what they acquired with nobody to acknowledge it.
+        with self.ledger.lock:
+            if self.ledger.stopping:
+                raise SourceError(f"spark-share tracker {self.tracker_id} is stopping: agent {m.agent_id} not admitted")
+            return self.roster.joined(conn, m, self.ledger.latest())
 
     def _on_claim(self, conn: wire.RpcConnection, m: Claim) -> dict:
         agent_id = agent_of(conn)
