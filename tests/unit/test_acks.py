@@ -331,11 +331,13 @@ def test_acks_leave_at_once_and_a_hung_agent_costs_one_ack_timeout_off_sparks_pa
     b = batch(0, ("h", 7, 0, 0, 6), *[(a.info["agent_id"], 10, 1, 10 * i, 10 * i + 9) for i, a in enumerate(fine)])
     t0 = time.monotonic()
     assert r.acknowledge(b, ACCEPT) is None
-    assert time.monotonic() - t0 < 0.25 and b.state == QUEUED, "latestOffset waited for the agents' answers"
+    # The hung agent never answers, so a call that waited for answers would return with the batch finished.
+    assert b.state == QUEUED, "latestOffset waited for the agents' answers"
     assert all(a.ops()[0] == "ack" for a in fine + [hung])
     r.wait_finished(0)
     took = time.monotonic() - t0
-    assert 0.5 <= took < 2.0, f"the batch finished {took:.2f} s after its acks (ackTimeoutMs 0.5 s)"
+    # One ackTimeoutMs, not one per batch or agent, nor the record locks' 30 s (bounds loose for busy cores).
+    assert 0.5 <= took < 5.0, f"the batch finished {took:.2f} s after its acks (ackTimeoutMs 0.5 s)"
     assert hung.closed and not any(a.closed for a in fine)
     assert b.outcome.failed == 7 and b.outcome.errors == {"ACK_TIMEOUT": 7}
     assert b.outcome.accepted == 200 and all(a.ops() == ["ack", "ack_result"] for a in fine)
