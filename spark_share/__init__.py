@@ -100,7 +100,7 @@ def _source_for(spark):
     return KafkaShareDataSource
 
 
-def reject(rows, reason=None) -> int:
+def reject(rows, reason=None, exchange_location=None) -> int:
     """REJECT these rows of the current batch once it commits: the broker archives them.
 
     Call inside ``foreachBatch``. With a dead-letter target (``deadLetterTopic`` or
@@ -114,6 +114,10 @@ def reject(rows, reason=None) -> int:
         ``offset`` columns.
     reason : str, optional
         Why; stored with the dead letter.
+    exchange_location : str, optional
+        The source's ``exchangeLocation``, where the platform runs this code apart from the source's
+        process and the rows do not name it themselves: on Spark < 4.2 (whose batches cannot carry
+        it in their schema), or rows collected to a list.
 
     Returns
     -------
@@ -136,10 +140,10 @@ def reject(rows, reason=None) -> int:
     """
     from .user.verdicts import reject as _reject
 
-    return _reject(rows, reason=reason)
+    return _reject(rows, reason=reason, exchange_location=exchange_location)
 
 
-def release(rows) -> int:
+def release(rows, exchange_location=None) -> int:
     """RELEASE these rows of the current batch once it commits: they are delivered again.
 
     Each delivery raises the record's ``deliveryCount``; past ``maxDeliveryCount`` (if set) a
@@ -149,6 +153,8 @@ def release(rows) -> int:
     ----------
     rows : pyspark.sql.DataFrame or iterable of Row
         Rows of the batch being processed, with ``topic``, ``partition`` and ``offset``.
+    exchange_location : str, optional
+        As for :func:`reject`.
 
     Returns
     -------
@@ -168,7 +174,7 @@ def release(rows) -> int:
     """
     from .user.verdicts import release as _release
 
-    return _release(rows)
+    return _release(rows, exchange_location=exchange_location)
 
 
 def drain(writer):

@@ -188,8 +188,9 @@ OPTIONS: tuple[Option, ...] = (
            "a directory that both the source's process on the driver and your foreachBatch code see as files "
            "(a Unity Catalog volume such as `/Volumes/main/ops/spark_share`, a mounted file system). Give it "
            "where the platform runs your code in a sandbox apart from Spark's own processes: `reject()` and "
-           "`release()` then reach the source through it. Not needed elsewhere (they use the driver host's "
-           "runtime directory). Spark >= 4.2"),
+           "`release()` then reach the source through it: the batch's DataFrame names it (Spark >= 4.2); on "
+           "Spark 4.0 and 4.1, or for rows collected to a list, pass it to them too (`exchange_location=`). Not "
+           "needed elsewhere (they use the driver host's runtime directory)"),
 )
 _BY_NAME = {o.name.lower(): o for o in OPTIONS}
 

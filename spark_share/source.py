@@ -10,8 +10,8 @@ import os
 from pyspark.sql.datasource import DataSource
 
 from .consumers.records import spark_schema, spark_struct
-from .options import EXCHANGE_METADATA, OptionError, parse_options
-from .spark_versions import exchange_location_refusal
+from .options import EXCHANGE_METADATA, parse_options
+from .spark_versions import SCHEMA_METADATA
 
 
 class KafkaShareDataSource(DataSource):
@@ -54,12 +54,12 @@ class KafkaShareDataSource(DataSource):
     def __init__(self, options):
         super().__init__(options)
         self.share_options = parse_options(dict(options))
-        if self.share_options.exchange_location is not None and exchange_location_refusal():
-            raise OptionError(exchange_location_refusal())
 
     def schema(self):
         o = self.share_options
-        if o.exchange_location is None:
+        # Spark < 4.2 fails a query whose Python source's schema carries metadata: there the user's code
+        # names the location itself (reject(rows, exchange_location=...)).
+        if o.exchange_location is None or not SCHEMA_METADATA:
             return spark_schema(o.include_headers)
         # The batch's DataFrame carries the location to reject()/release() in the user's code, which sees
         # no option of the source's: in the metadata of its offset column, which Spark keeps.

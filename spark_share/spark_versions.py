@@ -14,7 +14,8 @@ spark-share runs on PySpark 4.0, 4.1, 4.2 and 4.3 (EMR's emr-spark-8.0.0 and Dat
   query's tracker by the query id instead.
 - **Schema metadata.** 4.0/4.1 fail a streaming query whose Python source's schema carries field
   metadata (``java.lang.AssertionError: assertion failed``, measured with pyspark 4.0.5 and 4.1.4; 4.2.1
-  keeps it and shows it in foreachBatch): ``exchangeLocation``, which travels that way, is refused there.
+  keeps it and shows it in foreachBatch): ``exchangeLocation`` does not travel that way there; the user's
+  code names it to ``reject()``/``release()`` (``exchange_location=``).
 - **SupportsTriggerAvailableNow.** 4.0/4.1 run ``Trigger.AvailableNow`` of a Python source as one
   batch, with Spark's ``triggerAvailableNowWrapper`` setting or without it, and end: a drain must
   start through :func:`spark_share.drain` there, which runs batches until the queue held at the start
@@ -109,12 +110,3 @@ def available_now_refusal(trigger_class: str) -> str | None:
             "spark_share.drain(writer) instead: on every supported Spark it drains what the queue holds at the "
             "start and stops. What this run acquired is released")
 
-
-def exchange_location_refusal() -> str | None:
-    """The error for ``exchangeLocation`` on a Spark that fails a Python source whose schema carries field
-    metadata, which is how the location reaches the user's code (None where Spark keeps it)."""
-    if SCHEMA_METADATA:
-        return None
-    return (f"option 'exchangeLocation' needs Spark >= 4.2: it reaches reject()/release() in the batch's schema "
-            f"metadata, and Spark {VERSION_TEXT} fails a query whose Python source's schema carries any. Remove "
-            "the option (verdicts then use the driver host's runtime directory), or run on Spark 4.2 or later")

@@ -2,7 +2,8 @@
 
 Owns: ``reject`` / ``release`` (called in foreachBatch; they send the rows' coordinates to the
 tracker of this query and batch: through this host's runtime directory, or through the source's
-``exchangeLocation``, which the batch's DataFrame names in its schema) and their bad-input errors.
+``exchangeLocation``, which the batch's DataFrame names in its schema on Spark >= 4.2 and the caller
+names otherwise) and their bad-input errors.
 
 Must never: acknowledge anything itself (verdicts apply only when the batch commits, through the
 consumer that acquired the record), or act on a batch other than the one running.
@@ -63,10 +64,14 @@ def _coordinates(rows):
                            "offset": pa.array([o for _, _, o in out], pa.int64())}), None
 
 
-def _send(kind: str, rows, reason: str | None) -> int:
+def _send(kind: str, rows, reason: str | None, exchange_location: str | None) -> int:
     from pyspark.sql import SparkSession
 
+    if exchange_location is not None and not str(exchange_location).startswith("/"):
+        raise VerdictError(f"spark_share.{kind}(): exchange_location={exchange_location!r} must be the absolute "
+                           "directory path given to the source as its option exchangeLocation")
     spark, coords, exchange = _coordinates(rows)
+    exchange = exchange_location or exchange
     spark = spark or SparkSession.getActiveSession() or connect.active_session()
     if spark is None:
         raise VerdictError("no active Spark session")
@@ -92,7 +97,8 @@ def _send(kind: str, rows, reason: str | None) -> int:
 def _unreached(exchange: str | None) -> str:
     if exchange is None:
         return ("; where the platform runs this code apart from the source's process (a sandbox that shares "
-                "neither its /tmp nor its ports), give the source the option exchangeLocation: a directory both see")
+                "neither its /tmp nor its ports), give the source the option exchangeLocation: a directory both "
+                "see (on Spark < 4.2, or with rows collected to a list, name it here too: exchange_location=)")
     return f"; no running tracker answered in its exchangeLocation {exchange!r}"
 
 
@@ -133,11 +139,11 @@ def _call(conn, kind: str, coords, reason: str | None, msg: Verdicts) -> dict:
     return rep
 
 
-def reject(rows, reason: str | None = None) -> int:
+def reject(rows, reason: str | None = None, exchange_location: str | None = None) -> int:
     """REJECT these rows once the batch commits: the broker archives them, never redelivers."""
-    return _send("reject", rows, reason)
+    return _send("reject", rows, reason, exchange_location)
 
 
-def release(rows) -> int:
+def release(rows, exchange_location: str | None = None) -> int:
     """RELEASE these rows once the batch commits: they are delivered again (deliveryCount + 1)."""
-    return _send("release", rows, None)
+    return _send("release", rows, None, exchange_location)

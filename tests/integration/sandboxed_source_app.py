@@ -2,10 +2,12 @@
 of their own with an empty /tmp, apart from this process, where foreachBatch runs: as a platform that
 sandboxes user code apart from Spark's own processes would (test_sandboxed_source.py). The two share no
 runtime directory: a query without ``exchangeLocation`` cannot take verdicts, and one with it drains
-a topic with verdicts in foreachBatch. Prints one JSON line of what it saw.
+a topic with verdicts in foreachBatch, which learn the location from the batch's schema (``--exchange-in
+schema``) or are given it with the rows collected to a list (``argument``: what Spark < 4.2 needs).
+Prints one JSON line of what it saw.
 
     PYSPARK_PYTHON=WRAPPER python sandboxed_source_app.py --local-dir D --bootstrap B --topic T --group G \\
-        --read-mode driver --exchange DIR --out DIR --checkpoint DIR
+        --read-mode driver --exchange DIR --exchange-in schema --out DIR --checkpoint DIR
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ def main(argv: list[str]) -> int:
     for name in ("--local-dir", "--bootstrap", "--topic", "--group", "--read-mode", "--exchange", "--out",
                  "--checkpoint"):
         ap.add_argument(name, required=True)
+    ap.add_argument("--exchange-in", choices=("schema", "argument"), required=True)
     args = ap.parse_args(argv)
     from pyspark.errors import StreamingQueryException
     from pyspark.sql import SparkSession
@@ -46,11 +49,16 @@ def main(argv: list[str]) -> int:
              .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "2").getOrCreate())
     spark_share.register(spark)
     out, seen = args.out, {"mountNamespace": os.readlink("/proc/self/ns/mnt"), "runnerNamespaces": set()}
+    given = {"exchange": None}  # the query's exchangeLocation, when foreachBatch is to name it
 
     def process(batch, batch_id):
         seen["runnerNamespaces"] |= runner_namespaces()
         rows = batch.withColumn("id", F.get_json_object(F.col("value").cast("string"), "$.id").cast("long"))
-        spark_share.reject(rows.where("id % 10 = 0"), reason="tens")  # before the write: a refusal writes nothing
+        tens = rows.where("id % 10 = 0")
+        if given["exchange"] is not None:
+            tens = tens.collect()  # a list of Rows carries no schema: the location comes as an argument
+        # Before the write: a refusal writes nothing.
+        spark_share.reject(tens, reason="tens", exchange_location=given["exchange"])
         rows.where("id % 10 != 0").drop("id").write.mode("append").parquet(out)
 
     def start(exchange: str | None, checkpoint: str):
@@ -70,11 +78,8 @@ def main(argv: list[str]) -> int:
             seen["withoutEnded"] = True
         seen["withoutException"] = str(q.exception()) if q.exception() else None
         q.stop()
-        try:
-            q = start(args.exchange, args.checkpoint)
-        except Exception as e:  # Spark < 4.2 refuses the option at load()
-            seen["startError"] = str(e)
-            return 0
+        given["exchange"] = args.exchange if args.exchange_in == "argument" else None
+        q = start(args.exchange, args.checkpoint)
         seen["queryId"] = str(q.id)
         seen["ended"] = bool(q.awaitTermination(180))
         seen["exception"] = str(q.exception()) if q.exception() else None

@@ -137,3 +137,34 @@ def test_decode_frame_checks_the_lengths():
     for bad in (head + blob[:-1], head[:5], head + blob + b"!"):
         with pytest.raises(ProtocolError):
             decode_frame(bad)
+
+
+def test_rows_collected_to_a_list_reach_the_mailbox_the_call_names(tmp_path, monkeypatch):
+    """A list of Rows carries no schema, nor do a batch's on Spark < 4.2: reject(..., exchange_location=)
+    names the source's exchangeLocation itself."""
+    from pyspark.sql import Row, SparkSession
+
+    from spark_share.user import verdicts
+
+    seen = []
+
+    def handler(conn, header, blob):
+        seen.append(header)
+        return {"match": True, "records": 2}, b""
+
+    server = serve(tmp_path, handler)
+    monkeypatch.setattr(SparkSession, "getActiveSession", staticmethod(lambda: object()))
+    monkeypatch.setattr(verdicts.connect, "is_connect", lambda spark: False)
+    monkeypatch.setattr(verdicts, "_current_batch", lambda spark: ("q1", 4))  # what foreachBatch's thread says
+    monkeypatch.setattr(verdicts, "tracker_for", lambda query_id: None)  # no tracker of this host knows the query
+    rows = [Row(topic="t", partition=0, offset=5), Row(topic="t", partition=1, offset=7)]
+    try:
+        assert verdicts.reject(rows, reason="bad", exchange_location=str(tmp_path / "x")) == 2
+        assert [(h["op"], h["spark_batch"], h["kind"], h["query_id"], h["reason"]) for h in seen] == \
+            [("verdicts", 4, "reject", "q1", "bad")]
+        with pytest.raises(VerdictError, match=r"exchange_location='x' must be the absolute directory path"):
+            verdicts.release(rows, exchange_location="x")
+        assert len(seen) == 1
+    finally:
+        server.close()
+    assert "exchange_location=" in verdicts._unreached(None)  # what a call that found no tracker says to do

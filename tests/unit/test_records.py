@@ -1,6 +1,7 @@
 
 import pytest
 
+from spark_share import spark_versions
 from spark_share.consumers import records
 
 
@@ -79,6 +80,9 @@ def test_the_schema_with_an_exchange_location_is_the_ddl_schema_with_the_locatio
             "includeHeaders": str(headers).lower()}
     assert KafkaShareDataSource(base).schema() == records.spark_schema(headers)  # unchanged without the option
     struct = KafkaShareDataSource(dict(base, exchangeLocation="/Volumes/a/b/c")).schema()
+    if not spark_versions.SCHEMA_METADATA:  # Spark < 4.2 fails a query whose source's schema has metadata
+        assert struct == records.spark_schema(headers)
+        return
     ddl = records.spark_schema(headers).replace("long", "bigint").replace("array<struct<key: string, value: binary>>",
                                                                           "array<struct<key:string,value:binary>>")
     assert struct.simpleString() == "struct<" + ",".join(f.replace(" ", ":", 1) for f in ddl.split(", ")) + ">"

@@ -80,18 +80,20 @@ def test_only_spark_versions_looks_at_the_version():
 
 
 
-def test_an_exchange_location_is_refused_where_spark_fails_a_schema_with_metadata():
+def test_an_exchange_location_is_in_the_schema_only_where_spark_keeps_a_schema_with_metadata():
     """Spark 4.0 and 4.1 fail a query whose Python source's schema carries field metadata (measured with 4.0.5
-    and 4.1.4), which is how exchangeLocation reaches reject(): the option is refused there, at load()."""
-    from spark_share.errors import OptionError
+    and 4.1.4), which is how exchangeLocation reaches reject() from 4.2 on: there the schema is the plain
+    one, and the user's code names the location (reject(rows, exchange_location=...))."""
+    from spark_share.consumers import records
     from spark_share.options import EXCHANGE_METADATA
     from spark_share.source import KafkaShareDataSource
 
     options = {"kafka.bootstrap.servers": "b:9092", "kafka.group.id": "g", "subscribe": "t",
                "exchangeLocation": "/Volumes/a/b/c"}
+    source = KafkaShareDataSource(options)
+    assert source.share_options.exchange_location == "/Volumes/a/b/c"  # the tracker's mailbox is there either way
     if spark_versions.SCHEMA_METADATA:
-        assert KafkaShareDataSource(options).schema()["offset"].metadata == {EXCHANGE_METADATA: "/Volumes/a/b/c"}
+        assert source.schema()["offset"].metadata == {EXCHANGE_METADATA: "/Volumes/a/b/c"}
     else:
-        with pytest.raises(OptionError, match=r"option 'exchangeLocation' needs Spark >= 4.2.*Remove the option"):
-            KafkaShareDataSource(options)
+        assert source.schema() == records.spark_schema(False)
     assert spark_versions.SCHEMA_METADATA == (spark_versions.SPARK >= (4, 2))
