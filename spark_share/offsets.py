@@ -1,11 +1,14 @@
 """The source's offset: ``{"v": 1, "batch": N, "run": R}``, the id of the last planned batch and the
-query run (its tracker) that planned it, and nothing else.
+query run (its tracker) that planned it, plus ``"exchange"``, the source's ``exchangeLocation`` when it
+has one, and nothing else.
 
 Owns: the offset format Spark writes to the checkpoint's offset log and shows in every progress report.
 The run lets the commit listener find the tracker of a batch from the progress alone, on every Spark
 (Spark < 4.2 has no ``reportLatestOffset``, and under Spark Connect nothing else names the query's
-tracker); offsets of older versions, without it, are read as they are. Must never: carry an address, a
-secret or Kafka offsets (a share group has no offsets to resume from; the broker tracks delivery).
+tracker); the exchange location lets it reach that tracker's mailbox where it sees nothing else of it (a
+source sandboxed apart from the user's process). Offsets of older versions, without them, are read as
+they are. Must never: carry an address, a secret or Kafka offsets (a share group has no offsets to resume
+from; the broker tracks delivery).
 """
 from __future__ import annotations
 
@@ -18,8 +21,13 @@ OFFSET_VERSION = 1
 INITIAL = -1  # the offset before the first batch
 
 
-def offset_of(batch: int, run: str | None = None) -> dict:
-    return {"v": OFFSET_VERSION, "batch": batch} if run is None else {"v": OFFSET_VERSION, "batch": batch, "run": run}
+def offset_of(batch: int, run: str | None = None, exchange: str | None = None) -> dict:
+    offset: dict = {"v": OFFSET_VERSION, "batch": batch}
+    if run is not None:
+        offset["run"] = run
+    if exchange is not None:
+        offset["exchange"] = exchange
+    return offset
 
 
 def batch_of(offset: dict) -> int:
@@ -46,11 +54,11 @@ def from_progress(text) -> object:
         return None
 
 
-def reported(text: str | None) -> tuple[int, str | None] | None:
-    """(batch id, run) of an offset as a progress report shows it, None if it is not ours."""
+def reported(text: str | None) -> tuple[int, str | None, str | None] | None:
+    """(batch id, run, exchange location) of an offset as a progress report shows it, None if it is not ours."""
     offset = from_progress(text)
     if not isinstance(offset, dict) or offset.get("v") != OFFSET_VERSION or not isinstance(offset.get("batch"), int):
         return None
-    if not set(offset) <= {"v", "batch", "run"}:
+    if not set(offset) <= {"v", "batch", "run", "exchange"}:
         return None
-    return offset["batch"], offset.get("run")
+    return offset["batch"], offset.get("run"), offset.get("exchange")

@@ -103,7 +103,7 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         t.batch_committed(last, wait=False)
         if not t.should_run(last) or t.plan(last + 1, max_rows(limit)) is None:
             return start
-        return offset_of(last + 1, t.tracker_id)
+        return offset_of(last + 1, t.tracker_id, self.opts.exchange_location)
 
     def reportLatestOffset(self):
         return self._tracker.progress() if self._tracker is not None else None

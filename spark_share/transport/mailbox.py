@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -31,6 +32,7 @@ log = logging.getLogger("spark_share.transport.mailbox")
 POLL_S = 0.05  # how often a tracker looks for requests, and a caller for its reply
 ALIVE_EVERY_S = 2.0  # how often a running tracker rewrites ``alive``
 STALE_AFTER_S = 30.0  # a mailbox whose ``alive`` is older than this belongs to a tracker that is gone
+TRACKER_ID = re.compile(r"[0-9a-f]{16}")  # how driver.tracker names its mailbox
 PRUNE_AFTER_S = 86_400.0  # a stale mailbox is removed by the next tracker that starts a day later
 REQUEST, REPLY = ".req", ".rep"
 
@@ -190,10 +192,15 @@ def live_mailboxes(location: str) -> list[MailboxConnection]:
         names = os.listdir(location)
     except OSError:
         return []
-    found = []
-    for name in sorted(names):
-        directory = os.path.join(location, name)
-        age = _age_s(directory)
-        if age is not None and age < STALE_AFTER_S:
-            found.append(MailboxConnection(directory))
-    return found
+    return [box for box in (_live(os.path.join(location, name)) for name in sorted(names)) if box is not None]
+
+
+def live_mailbox(location: str, tracker_id: str) -> MailboxConnection | None:
+    """The mailbox of one tracker under ``location``, if it is running. The id comes from a progress report:
+    anything but a tracker's id (16 hex digits) names no directory."""
+    return _live(os.path.join(location, tracker_id)) if TRACKER_ID.fullmatch(tracker_id) else None
+
+
+def _live(directory: str) -> MailboxConnection | None:
+    age = _age_s(directory)
+    return MailboxConnection(directory) if age is not None and age < STALE_AFTER_S else None

@@ -283,7 +283,7 @@ BUNDLED = frozenset(("claim", "more", "acquired"))  # answered at once, without 
 
 TO_TRACKER: tuple[type[Message], ...] = (Hello, Claim, Member, More, Acquired, Fetch, Committed, Verdicts, Status,
                                          Drain, Bundle)
-USER_TO_TRACKER_BY_FILE: tuple[type[Message], ...] = (Verdicts,)  # through a ``mailbox``
+USER_TO_TRACKER_BY_FILE: tuple[type[Message], ...] = (Verdicts, Drain)  # through a ``mailbox``
 TRACKER_TO_AGENT: tuple[type[Message], ...] = (Prefetch, Stage, Ack, AckResult, DeadLetter, Fetch, Trim, Shutdown,
                                                 Ping)
 TASK_TO_AGENT: tuple[type[Message], ...] = (Read, Ping)

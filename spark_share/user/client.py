@@ -61,6 +61,16 @@ def tracker_by_id(tracker_id: str, query_id: str | None = None) -> wire.RpcConne
         return conn
 
 
+def mailbox_of(query) -> mailbox.MailboxConnection | None:
+    """The mailbox of the tracker that planned the query's last batch, when its source has an exchangeLocation
+    (its offset names both): the way to a tracker whose registry and ports this process cannot see."""
+    last = query.lastProgress if query is not None else None
+    for r in filter(None, (offsets.reported(s.endOffset) for s in (last.sources if last else []))):
+        if r[1] and r[2]:
+            return mailbox.live_mailbox(r[2], r[1])
+    return None
+
+
 def trackers_reachable(exchange_location: str | None = None) -> list:
     """Connections to every tracker running on this host, then the mailboxes of those running under
     ``exchange_location`` (the source's option, for trackers this process cannot see otherwise)."""

@@ -61,7 +61,8 @@ def marked(spark, query_id: str) -> bool:
 def drive(spark, query_id: str) -> None:
     """After a batch (or an idle spell) of a marked query: make its tracker drain, and stop the query
     once the drain is done. Runs in the listener: the stop goes to a thread of its own."""
-    conn = client.tracker_for(query_id)
+    # A tracker sandboxed apart from this process is reached through its mailbox, which the offset names.
+    conn = client.tracker_for(query_id) or client.mailbox_of(spark.streams.get(query_id))
     if conn is None:
         return
     rep, _ = call(conn, Drain(query_id=query_id), timeout=30)

@@ -61,7 +61,7 @@ def _signal_commit(progress) -> None:
     the batch (the run in our source's ``endOffset``) how far it may acknowledge, exactly (our batch id
     is in it too), with the query id, which a tracker whose reads did not carry it (under Spark Connect)
     learns here."""
-    ends = [(upto, run) for upto, run in filter(None, (reported(s.endOffset) for s in progress.sources)) if run]
+    ends = [(upto, run) for upto, run, _ in filter(None, (reported(s.endOffset) for s in progress.sources)) if run]
     if not ends:
         return
     upto, run = ends[0]

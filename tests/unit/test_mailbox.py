@@ -131,6 +131,20 @@ def test_stale_mailboxes_are_not_offered_and_day_old_ones_are_pruned(tmp_path):
         fresh.close()
 
 
+def test_one_trackers_mailbox_is_found_by_its_id_and_nothing_else_is(tmp_path):
+    """The listener finds a drain's tracker by the id and location its offset names (a progress report): an id
+    that is not a tracker's names no directory, wherever it points."""
+    server = serve(tmp_path, lambda conn, header, blob: ({"drained": False}, b""), tracker_id="0123456789abcdef")
+    try:
+        box = mailbox.live_mailbox(str(tmp_path / "x"), "0123456789abcdef")
+        assert box is not None and box.call({"op": "drain"}, timeout=10)[0] == {"drained": False}
+        for other in ("fedcba9876543210", "../x/0123456789abcdef", "0123456789ABCDEF", ".", ""):
+            assert mailbox.live_mailbox(str(tmp_path / "x"), other) is None, other
+    finally:
+        server.close()
+    assert mailbox.live_mailbox(str(tmp_path / "x"), "0123456789abcdef") is None  # stopped
+
+
 def test_decode_frame_checks_the_lengths():
     head, blob = encode_frame({"op": "x"}, b"12345")
     assert decode_frame(head + blob) == ({"op": "x"}, b"12345")
