@@ -7,7 +7,8 @@ the sessions the tracker says the query no longer needs here (the group's member
 
 Must never: hand a read a session that still holds records no acknowledgement has been queued for
 (``busy``), or one another read holds; open a session the tracker did not grant (``open``), or close
-one that holds or carries records (``trim``).
+one that holds or carries records (``trim``); keep a session that joined after ``close_all`` (the
+agent's shutdown can come while its first sessions join).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING
 
+from ..errors import AgentError
 from . import records
 
 if TYPE_CHECKING:
@@ -59,6 +61,7 @@ class SessionPool:
         self.full_size: int | None = None  # max.poll.records of a session started without a budget
         self._joined = False  # the first start() is done
         self._pending_prefetch: tuple | None = None  # a prefetch that came while the first sessions joined
+        self._closed = False  # close_all() came: a session that joins after it leaves at once
 
     def __len__(self) -> int:
         return len(self.sessions)
@@ -73,11 +76,16 @@ class SessionPool:
         records.warm_up()  # meanwhile: the first conversion's one-time imports (pandas, through pyarrow)
         wait_futures(joining, timeout=JOIN_SETTLE_S + 5)
         with self._lock:
-            self.sessions.extend(sessions)
+            closed = self._closed
+            if not closed:
+                self.sessions.extend(sessions)
             if max_poll_records is None and sessions:
                 self.full_size = sessions[0].max_poll_records
             pending, self._pending_prefetch = self._pending_prefetch, None
             self._joined = True
+        if closed:  # the agent's shutdown came while they joined (a stop as the query started): they leave too
+            wait_futures([s.close() for s in sessions], timeout=JOIN_SETTLE_S + 5)
+            return
         log.info("%s: %d share sessions (max.poll.records %s) joined the group", self.name, n,
                  sessions[0].max_poll_records if sessions else "-")
         if pending:
@@ -114,8 +122,13 @@ class SessionPool:
         """A new session, reserved for a read of ``batch`` (the tracker granted the member)."""
         s = self._new(max_records)
         with self._lock:
-            self.sessions.append(s)
-            self._reserve(s, batch)
+            closed = self._closed
+            if not closed:
+                self.sessions.append(s)
+                self._reserve(s, batch)
+        if closed:
+            s.close()
+            raise AgentError(f"{self.name} is shutting down: no share session opens")
         log.info("%s: started share session %s", self.name, s.session_id)
         return s
 
@@ -242,5 +255,6 @@ class SessionPool:
     def close_all(self) -> list:
         """Close every session (releasing what each holds); the futures of their closing."""
         with self._lock:
+            self._closed = True
             sessions, self.sessions = list(self.sessions), []
         return [s.close() for s in sessions]

@@ -164,3 +164,34 @@ def test_a_refused_session_is_closed_and_forgotten():
     s, _ = a.reserve(0, None)
     a.drop(s)
     assert s.closed and s not in a.sessions and len(a) == 1
+
+
+def test_sessions_that_join_after_close_all_leave_at_once():
+    """The agent's shutdown (a stop as the query starts) can come while its first sessions join: they close
+    instead of joining the pool, and so does one a read opens after it."""
+    import threading
+
+    import pytest
+
+    from spark_share.errors import AgentError
+
+    made: list[FakeSession] = []
+    joining, shut = threading.Event(), threading.Event()
+
+    class SlowJoin(FakeSession):
+        def joined(self, timeout_s):
+            joining.set()
+            shut.wait(10)  # the shutdown comes meanwhile
+            return super().joined(timeout_s)
+
+    pool = SessionPool(new_session=lambda _size: made.append(SlowJoin(len(made))) or made[-1], name="test")
+    starting = threading.Thread(target=pool.start, args=(2,))
+    starting.start()
+    assert joining.wait(10)
+    assert pool.close_all() == []  # nothing had joined yet
+    shut.set()
+    starting.join(10)
+    assert not starting.is_alive() and len(made) == 2 and all(s.closed for s in made) and len(pool) == 0
+    with pytest.raises(AgentError, match="shutting down"):
+        pool.open(0, None)
+    assert len(made) == 3 and made[-1].closed and len(pool) == 0
