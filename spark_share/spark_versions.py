@@ -109,4 +109,3 @@ def available_now_refusal(trigger_class: str) -> str | None:
             "this run would end after one batch with records still queued. Start the query with "
             "spark_share.drain(writer) instead: on every supported Spark it drains what the queue holds at the "
             "start and stops. What this run acquired is released")
-

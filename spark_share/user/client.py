@@ -65,9 +65,9 @@ def mailbox_of(query) -> mailbox.MailboxConnection | None:
     """The mailbox of the tracker that planned the query's last batch, when its source has an exchangeLocation
     (its offset names both): the way to a tracker whose registry and ports this process cannot see."""
     last = query.lastProgress if query is not None else None
-    for r in filter(None, (offsets.reported(s.endOffset) for s in (last.sources if last else []))):
-        if r[1] and r[2]:
-            return mailbox.live_mailbox(r[2], r[1])
+    for _, run, exchange in filter(None, (offsets.reported(s.endOffset) for s in (last.sources if last else []))):
+        if run and exchange:
+            return mailbox.live_mailbox(exchange, run)
     return None
 
 
