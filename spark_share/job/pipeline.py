@@ -19,6 +19,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from ..connect import is_connect
 from ..errors import ConfigError, JobError
@@ -126,6 +127,9 @@ class Summary:
     batches: int = 0
     started: float = field(default_factory=time.time)
     wall: float | None = None
+    # From the start of the first batch that read records to the end of the last one (the query's
+    # progress reports): the reading, without the query's start-up and stop.
+    reading: float | None = None
 
     def line(self, batch_id: int) -> str:
         return (f"batch {batch_id}: read {self.records}, written {self.written}, "
@@ -189,26 +193,64 @@ def run(spark, cfg: JobConfig, quiet: bool = False) -> Summary:
             return spark_share.drain(w)  # Trigger.AvailableNow, or its equivalent where Spark lacks it (< 4.2)
         return w.trigger(processingTime=cfg.trigger.split(":", 1)[1]).start()
 
-    if not is_connect(spark):
-        start().awaitTermination()
-        summary.wall = time.time() - summary.started
-        return summary
     # Under Spark Connect, process() runs in a Python process of the server's: its summary stays
     # there. The client counts from what it can see: the query's progress and the two tables.
     # (Not with a client-side listener: pyspark 4.3's listener bus dies on observed metrics.)
-    before = _TableCounts.read(spark, cfg)
+    connect = is_connect(spark)
+    before = _TableCounts.read(spark, cfg) if connect else None
     q = start()
-    rows_by_batch: dict[int, int] = {}
+    batches = _Batches()
     while True:
-        ended = q.awaitTermination(2)
+        ended = q.awaitTermination(1)
         for p in q.recentProgress:  # the last 100 batches: polled well within 100 batches
-            if p.batchId not in rows_by_batch:
-                rows_by_batch[p.batchId] = p.numInputRows
-                if not quiet:
-                    print(f"batch {p.batchId}: read {p.numInputRows}", flush=True)
+            batch = batches.note(p)
+            if batch is not None and connect and not quiet:
+                print(f"batch {batch}: read {p['numInputRows']}", flush=True)
         if ended:
             break
-    return _TableCounts.read(spark, cfg).summary_since(before, rows_by_batch, summary.started)
+    if before is None:
+        summary.wall = time.time() - summary.started
+        summary.reading = batches.reading()
+        return summary
+    s = _TableCounts.read(spark, cfg).summary_since(before, batches.rows, summary.started)
+    s.reading = batches.reading()
+    return s
+
+
+class _Batches:
+    """The query's batches as its progress reports tell them: rows per batch id, and when the first batch
+    that read records started and the last one ended. A report is a dict (a subclass of it on PySpark >= 4.0)
+    with the trigger's start (``timestamp``, UTC) and its duration (``durationMs.triggerExecution``, the
+    batch's planning, reads, foreachBatch and commit)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, int] = {}
+        self._seen: set[tuple[int, str]] = set()
+        self._first: float | None = None
+        self._last: float | None = None
+
+    def note(self, progress) -> int | None:
+        """Take one report; the batch id when the batch is new (a report without data repeats the id
+        of the batch to come, so reports are told apart by id and start)."""
+        batch, stamp = int(progress["batchId"]), str(progress["timestamp"])
+        if (batch, stamp) in self._seen:
+            return None
+        self._seen.add((batch, stamp))
+        rows = int(progress["numInputRows"] or 0)
+        new = batch not in self.rows
+        self.rows[batch] = self.rows.get(batch, 0) + rows
+        if rows:
+            started = datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+            took = (progress.get("durationMs") or {}).get("triggerExecution", progress.get("batchDuration") or 0)
+            self._first = started if self._first is None else min(self._first, started)
+            self._last = max(self._last or started, started + took / 1000)
+        return batch if new or rows else None
+
+    def reading(self) -> float | None:
+        """Seconds from the start of the first batch that read records to the end of the last one."""
+        if self._first is None or self._last is None:
+            return None
+        return self._last - self._first
 
 
 @dataclass
@@ -274,7 +316,11 @@ def print_summary(spark, cfg: JobConfig, s: Summary, produced: int | None = None
     print(f"  duplicates in table {dups:>10,}"
           + (f"   ({table_note})" if table_note.startswith("not") else ""))
     print(f"  batches             {s.batches:>10,}")
-    print(f"  wall time           {wall:>10.1f} s   ({s.records / wall if wall else 0:,.0f} records/s)")
+    if s.reading:
+        print(f"  reading             {s.reading:>10.1f} s   ({s.records / s.reading:,.0f} records/s, "
+              "from the first batch's start to the last batch's end)")
+    print(f"  wall time           {wall:>10.1f} s   ({s.records / wall if wall else 0:,.0f} records/s, "
+          "the query's start-up and stop included)")
     print(f"  output table        {cfg.output_path}   "
           + (f"({table_note})" if table_note else f"({rows:,} rows, partitioned by {cfg.partition_by})"))
     print(f"  dead-letter table   {cfg.dead_letter_path}   (rejected records with their reason)")
