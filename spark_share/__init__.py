@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+from ._version import __version__
 from .errors import (
     AgentError,
     ArgumentError,
@@ -29,8 +30,6 @@ from .errors import (
     UnsupportedSparkError,
     VerdictError,
 )
-
-__version__ = "0.1.0"
 
 __all__ = ["register", "reject", "release", "status", "drain", "__version__", "SparkShareError", "OptionError",
            "ConfigError", "SourceError", "BatchRefused", "VerdictError", "DeadLetterError", "EmbeddedKafkaError",

@@ -5,6 +5,7 @@
     spark-share produce --bootstrap-servers S --topic T [--count N] [--rate R] [--malformed F]
     spark-share demo [args]          (arguments are passed to spark_share.demo.main)
     spark-share status [--json]      (the queries running on this host, from their trackers)
+    spark-share --version
 
 Owns: argument parsing and the four subcommands. ``broker`` runs the embedded broker in the
 foreground: it prints ``bootstrap.servers=<value>`` as its first line (for scripts), then a line
@@ -212,8 +213,11 @@ _PASS_THROUGH = {"demo"}
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ._version import __version__
+
     ap = argparse.ArgumentParser(prog="spark-share",
                                  description="Kafka share groups as a PySpark streaming source.")
+    ap.add_argument("--version", action="version", version=f"spark-share {__version__}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_, add_args, run) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_, add_help=name not in _PASS_THROUGH)
