@@ -1,14 +1,15 @@
 """The source's offset: ``{"v": 1, "batch": N, "run": R}``, the id of the last planned batch and the
 query run (its tracker) that planned it, plus ``"exchange"``, the source's ``exchangeLocation`` when it
-has one, and nothing else.
+has one, and under readMode=driver ``"records"``: the records the batch acquired (``record_ranges``), so
+that Spark running the batch again gets them again, and a later run knows which records Spark committed.
 
 Owns: the offset format Spark writes to the checkpoint's offset log and shows in every progress report.
 The run lets the commit listener find the tracker of a batch from the progress alone, on every Spark
 (Spark < 4.2 has no ``reportLatestOffset``, and under Spark Connect nothing else names the query's
 tracker); the exchange location lets it reach that tracker's mailbox where it sees nothing else of it (a
 source sandboxed apart from the user's process). Offsets of older versions, without them, are read as
-they are. Must never: carry an address, a secret or Kafka offsets (a share group has no offsets to resume
-from; the broker tracks delivery).
+they are. Must never: carry an address or a secret, or be read as a position to resume from (a share group has
+none; the broker tracks delivery): the records it names are one batch's, to acquire again or to ACCEPT.
 """
 from __future__ import annotations
 
@@ -16,18 +17,30 @@ import ast
 import json
 
 from .errors import SourceError
+from .record_ranges import RecordRanges
 
 OFFSET_VERSION = 1
 INITIAL = -1  # the offset before the first batch
 
 
-def offset_of(batch: int, run: str | None = None, exchange: str | None = None) -> dict:
+def offset_of(batch: int, run: str | None = None, exchange: str | None = None,
+              records: RecordRanges | None = None) -> dict:
     offset: dict = {"v": OFFSET_VERSION, "batch": batch}
     if run is not None:
         offset["run"] = run
     if exchange is not None:
         offset["exchange"] = exchange
+    if records is not None:
+        offset["records"] = records.encode()
     return offset
+
+
+def records_of(offset: dict | None) -> RecordRanges | None:
+    """The records a batch's offset names; None for an offset without them (readMode=executors, an older
+    version, the offset before the first batch)."""
+    if not isinstance(offset, dict) or "records" not in offset:
+        return None
+    return RecordRanges.decode(offset["records"])
 
 
 def batch_of(offset: dict) -> int:
@@ -59,6 +72,6 @@ def reported(text: str | None) -> tuple[int, str | None, str | None] | None:
     offset = from_progress(text)
     if not isinstance(offset, dict) or offset.get("v") != OFFSET_VERSION or not isinstance(offset.get("batch"), int):
         return None
-    if not set(offset) <= {"v", "batch", "run", "exchange"}:
+    if not set(offset) <= {"v", "batch", "run", "exchange", "records"}:
         return None
     return offset["batch"], offset.get("run"), offset.get("exchange")

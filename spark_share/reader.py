@@ -23,9 +23,10 @@ from pyspark.sql.datasource import DataSourceStreamReader
 
 from . import runtime
 from .consumers import records
+from .driver.batches import PLANNED
 from .errors import SourceError
 from .executor import read_task
-from .offsets import INITIAL, batch_of, offset_of
+from .offsets import INITIAL, batch_of, offset_of, records_of
 from .options import ShareSourceOptions, scrub
 from .partitions import RowsPartition, SharePartition
 from .spark_versions import ReadAllAvailable, ReadMaxRows, SupportsTriggerAvailableNow, max_rows
@@ -54,6 +55,7 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         # Spark does not say (latestOffset() of Spark < 4.2). A restart first calls partitions(end, end)
         # with the last offset of the checkpoint; a fresh start calls latestOffset() before anything.
         self._planned_end: dict | None = None
+        self._committed_noted: int | None = None  # the last committed batch of an earlier run whose records we know
 
     # driver side (the runner process) ------------------------------------------------------
     def _t(self):
@@ -100,10 +102,30 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         # of Spark's AvailableNow wrapper and its progress report): the batch ending at start is.
         # Its acknowledgements are queued on the consumers before this returns; the broker's answers
         # are collected while Spark writes the next offsets and plans.
+        self._note_committed(start)
         t.batch_committed(last, wait=False)
-        if not t.should_run(last) or t.plan(last + 1, max_rows(limit)) is None:
+        if not t.should_run(last):
             return start
-        return offset_of(last + 1, t.tracker_id, self.opts.exchange_location)
+        b = t.plan(last + 1, max_rows(limit))
+        if b is None:
+            return start
+        acquired = None
+        if self._driver_reads is not None and b.state == PLANNED:
+            # readMode=driver acquires the batch here, so that the offset Spark writes next names its records:
+            # a replay of this batch id gets them again.
+            acquired = self._driver_reads.acquire(t, b)
+        return offset_of(last + 1, t.tracker_id, self.opts.exchange_location, acquired)
+
+    def _note_committed(self, offset: dict) -> None:
+        """``offset`` ends a batch Spark committed: if an earlier run planned it (readMode=driver), its records
+        may be unacknowledged; they are ACCEPTed when the broker delivers them again, never emitted."""
+        if (self._driver_reads is None or offset.get("run") in (None, self._tracker.tracker_id)
+                or self._committed_noted == batch_of(offset)):
+            return
+        self._committed_noted = batch_of(offset)
+        committed = records_of(offset)
+        if committed:
+            self._driver_reads.committed(committed)
 
     def reportLatestOffset(self):
         return self._tracker.progress() if self._tracker is not None else None
@@ -112,13 +134,17 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         t = self._t()
         first, last = batch_of(start), batch_of(end)
         self._planned_end = end
+        self._note_committed(start if last > first else end)  # a restart's first call names the last commit
         if last <= first:
             return []
+        wanted = records_of(end) if self._driver_reads is not None and last not in t.batches else None
+        if wanted is not None:  # a batch an earlier run planned: the same records again
+            return self._driver_reads.replay(t, last, wanted, end.get("run"))
         b = t.batch_to_read(last)
-        if b is None:  # replayed from an earlier run, or stopping: it reads nothing
+        if b is None:  # replayed from an earlier run without its records (readMode=executors), or stopping
             return []
         if self._driver_reads is not None:
-            return self._driver_reads.partitions(last, t.slot_budgets(b))
+            return self._driver_reads.partitions(t, b)
         host, port = t.address
         return [SharePartition(host, port, t.tracker_id, t.secret, last, slot, budget, self.opts.poll_timeout_ms)
                 for slot, budget in enumerate(t.slot_budgets(b))]

@@ -139,6 +139,13 @@ def final_counts_path(query_id: str) -> str:
     return os.path.join(runtime_dir(), f"final-{query_id}.json")
 
 
+def run_end_path(tracker_id: str) -> str:
+    """Where a query run's tracker says, when it stops, whether its consumers closed (left the group, their
+    records released): a later run replaying its batch need not wait for them to be dropped. Pruned with the
+    final counts."""
+    return os.path.join(runtime_dir(), f"final-run-{tracker_id}.json")
+
+
 def checkpoint_note_path(query_id: str) -> str:
     """Where the user's process notes a query's checkpoint location (written when the query starts)."""
     return os.path.join(runtime_dir(), f"checkpoint-{query_id}.json")

@@ -33,6 +33,7 @@ from concurrent.futures import wait as wait_futures
 from .. import runtime
 from ..errors import BatchRefused, MemberRefused, PeerConnectionError
 from ..options import sized
+from ..record_ranges import RecordSorter
 from ..transport import endpoints, wire
 from ..transport.bundler import Bundler
 from ..transport.protocol import (
@@ -69,7 +70,7 @@ MORE_TIMEOUT_S = 10.0  # a read asks the tracker how many records beyond its gra
 class Agent(AgentAcknowledgements):
     def __init__(self, tracker_addr, tracker_id: str, secret: str, consumer_config: dict[str, str],
                  producer_config: dict[str, str], secret_values: list[str], alive_fd: int | None = None,
-                 serve: bool = True):
+                 serve: bool = True, sorter: RecordSorter | None = None):
         from ..options import scrub
 
         self.tracker_id = tracker_id
@@ -79,6 +80,8 @@ class Agent(AgentAcknowledgements):
         self._scrub = lambda s: scrub(s, secret_values)
         self._lock = threading.Lock()
         self.pool = SessionPool(self._new_session, name=f"agent {self.agent_id}")
+        # readMode=driver: what its sessions sort polls by (committed and replayed records: record_ranges)
+        self.sorter = sorter if sorter is not None else RecordSorter()
         self._cache: dict[tuple[int, int], Cached] = {}
         self._acks: dict[int, tuple] = {}  # batch -> ({slot: (records held, future)}, timeout) until reported
         self._staged: dict[tuple[int, str], list] = {}  # (batch, purpose) -> verdict chunks before their request
@@ -134,7 +137,7 @@ class Agent(AgentAcknowledgements):
         if max_poll_records is not None:
             conf["max.poll.records"] = str(max_poll_records)
         return ShareSession(sid, conf, self.config["topics"], self._keep_headers, scrub=self._scrub,
-                            held_elsewhere=self.pool.held_elsewhere)
+                            held_elsewhere=self.pool.held_elsewhere, sorter=self.sorter)
 
     # read tasks ----------------------------------------------------------------------------
     def _on_read(self, conn, m: Read):

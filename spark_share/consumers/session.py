@@ -28,6 +28,7 @@ from typing import Any
 from ..acknowledgement import ACCEPT, RELEASE, AckOutcome
 from ..broker_errors import FailureWatch
 from ..errors import AgentError, MemberRefused, SourceError
+from ..record_ranges import RecordSorter
 from ..verdict_set import VerdictSet
 from . import records
 from .session_acks import Holding, acknowledge_held, error_code
@@ -62,6 +63,9 @@ IDLE_SERVE_S = 1.0
 # heartbeat (5 s by default) of each other apart at most.
 JOIN_WAIT_S = 20.0
 JOIN_GRACE_S = 8.0
+# A replayed batch's poll that brought none of its records polls again in slices of this long, so that it
+# ends soon after the other sessions' polls brought them all.
+REPLAY_SLICE_MS = 500
 
 
 class ShareSession:
@@ -70,7 +74,8 @@ class ShareSession:
     def __init__(self, session_id: str, conf: dict[str, str], topics: list[str], include_headers: bool,
                  scrub: Callable[[str], str] = lambda s: s, idle_serve_s: float = IDLE_SERVE_S,
                  join_wait_s: float = JOIN_WAIT_S,
-                 held_elsewhere: Callable[[ShareSession], float] = lambda s: 0.0):
+                 held_elsewhere: Callable[[ShareSession], float] = lambda s: 0.0,
+                 sorter: RecordSorter | None = None):
         from confluent_kafka import ShareConsumer
 
         self.session_id = session_id
@@ -93,6 +98,7 @@ class ShareSession:
         self._idle_serve_s = idle_serve_s
         self._join_wait_s = join_wait_s
         self._held_elsewhere = held_elsewhere  # for how long another consumer of the agent has held records
+        self._sorter = sorter  # the run's committed and replayed records (record_ranges)
         self._idle_served_at = time.monotonic()  # the last time the idle session served librdkafka's queue
         self.idle_serves = 0
         self._consumer_closed = False
@@ -237,8 +243,42 @@ class ShareSession:
             # broker (the client allows no poll while any record of the last one is unacknowledged).
             good, acquired_at = self._carried, self._carried_at
             msgs, drained, answered = good, True, frozenset[tuple[str, int]]()
+            later: list = []
         else:
-            msgs, fetched = self._fetch(timeout_ms)
+            msgs, good, later, drained, answered, acquired_at = self._fetch_sorted(batch, timeout_ms)
+        self._carried = []
+        if max_records is not None and len(good) > max_records and more is not None:
+            max_records += max(0, min(len(good) - max_records, more(len(good) - max_records)))
+        if max_records is not None and len(good) > max_records:
+            good, self._carried = good[:max_records], good[max_records:]
+            self._carried_at = acquired_at
+        if later:  # a replayed batch's poll brought records of no batch yet: the next batch's, still acquired
+            self._carried, self._carried_at = self._carried + later, acquired_at
+        converting = time.perf_counter()
+        rb, acquired = records.to_record_batch(good, self.include_headers, self._only_topic)
+        holding = Holding(batch, slot, acquired, rb.num_rows, acquired_at, timed_out=not msgs and not drained,
+                          convert_s=time.perf_counter() - converting,
+                          answered=answered if not msgs and answered else frozenset())
+        if rb.num_rows:
+            self.holding = holding
+        return rb, holding
+
+    def _fetch_sorted(self, batch: int, timeout_ms: int) -> tuple[list, list, list, bool, frozenset, float]:
+        """One poll of the broker for ``batch``, its messages sorted (``RecordSorter``): records of a batch Spark
+        committed are ACCEPTed at once and never handed out; while ``batch`` is replayed only its own records
+        are, the rest wait for the next batch, and a poll that brought none of them polls again (in short
+        slices, until every session's polls together brought them all, or ``timeout_ms``: their member may
+        still have to be given their partitions, or their lock to expire). A poll that kept nothing of a
+        committed batch's records polls again while time is left.
+        (messages, the batch's, the next batch's, drained, answered, acquired_at)."""
+        from confluent_kafka import AcknowledgeType
+
+        deadline = time.monotonic() + timeout_ms / 1000.0
+        sorter = self._sorter if self._sorter is not None and self._sorter.active else None
+        replaying = sorter is not None and sorter.wanted(batch) is not None
+        while True:
+            left_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            msgs, fetched = self._fetch(min(left_ms, REPLAY_SLICE_MS) if replaying else left_ms)
             drained, answered = fetched is not None, fetched or frozenset()
             acquired_at = time.time()
             good = msgs
@@ -248,20 +288,19 @@ class ShareSession:
                     if m.error() is not None:
                         log.warning("session %s: poll returned an error for %s-%s: %s", self.session_id,
                                     m.topic(), m.partition(), self._scrub(str(m.error())))
-        self._carried = []
-        if max_records is not None and len(good) > max_records and more is not None:
-            max_records += max(0, min(len(good) - max_records, more(len(good) - max_records)))
-        if max_records is not None and len(good) > max_records:
-            good, self._carried = good[:max_records], good[max_records:]
-            self._carried_at = acquired_at
-        converting = time.perf_counter()
-        rb, acquired = records.to_record_batch(good, self.include_headers, self._only_topic)
-        holding = Holding(batch, slot, acquired, rb.num_rows, acquired_at, timed_out=not msgs and not drained,
-                          convert_s=time.perf_counter() - converting,
-                          answered=answered if not msgs and answered else frozenset())
-        if rb.num_rows:
-            self.holding = holding
-        return rb, holding
+            done: list = []
+            later: list = []
+            if sorter is not None and good:
+                good, done, later = sorter.sort(batch, good)
+                for m in done:  # sent with the next poll or commit, as every acknowledgement is
+                    self.consumer.acknowledge(m, AcknowledgeType.ACCEPT)
+                if done:
+                    log.info("session %s: %d records of a batch Spark committed came back; ACCEPTed, not handed out",
+                             self.session_id, len(done))
+            if good or later or time.monotonic() >= deadline:
+                return msgs, good, later, drained, answered, acquired_at
+            if not done and not (replaying and sorter is not None and sorter.waiting(batch)):
+                return msgs, good, later, drained, answered, acquired_at
 
     def _release_carried(self) -> None:
         """Give back carried records too old to be handed out within their lock: released now, they

@@ -62,7 +62,8 @@ class AgentRoster:
         conn.info["host"] = m.host
         conn.set_keepalive(self.policy.dead_after_s)
         log.info("agent %s joined (pid %s on %s)", m.agent_id, m.pid, m.host)
-        if latest is not None and latest.state == PLANNED and latest.slots and not latest.claims:
+        if (latest is not None and latest.state == PLANNED and latest.slots and not latest.claims
+                and latest.replay is None):  # a replay polls with its own wait (driver.reads)
             latest.prefetched = self.prefetch(latest) or latest.prefetched  # it polls once its sessions have joined
         limit = self.policy.current_limit(latest)
         # The sessions an agent joins with. One host reads every slot. On a cluster each host's pool

@@ -37,6 +37,9 @@ class BatchState:
     spark_batch: int | None = None                            # Spark's batch id, learnt from the read tasks
     connect_sessions: set[str] = field(default_factory=set)   # Spark Connect sessions whose jobs read it
     state: str = PLANNED
+    # A batch an earlier run planned, read again here with the records its offset names: how many it names,
+    # and how many of them the broker no longer held for this query (another member took them, archived).
+    replay: dict | None = None
     committed_at: float | None = None
     acked_at: float | None = None
     outcome: AckOutcome = field(default_factory=AckOutcome)
@@ -90,6 +93,8 @@ class BatchState:
 
     def summary(self) -> dict:
         d = {"batch": self.batch, "acquired": self.rows, "state": self.state}
+        if self.replay is not None:
+            d["replay"] = dict(self.replay)
         if self.spark_batch is not None and self.spark_batch != self.batch:
             d["sparkBatch"] = self.spark_batch
         if self.state == PLANNED:

@@ -40,6 +40,7 @@ class BatchLedger:
         self.stopping = False  # set once by the stop: nothing new is planned, claimed or acknowledged
         self.totals = AckOutcome()
         self.total_acquired = 0
+        self.replay_missing = 0  # records replayed batches named that the broker no longer held for this query
         self._staged: dict[str, tuple[int, list[bytes]]] = {}  # verdict token -> (batch, its chunks so far)
 
     def latest(self) -> BatchState | None:
@@ -57,6 +58,18 @@ class BatchLedger:
             self.batches[batch] = b
             self.policy.planned(version, time.monotonic())
         return b, old is None
+
+    def replay(self, batch: int, wanted: int) -> BatchState | None:
+        """``batch``, planned by an earlier run, to be read again with the ``wanted`` records its offset names
+        (readMode=driver); None once the query is stopping."""
+        with self.lock:
+            if self.stopping:
+                return None
+            b = self.batches.get(batch)
+            if b is None:
+                b = self.batches[batch] = BatchState(batch, self.policy.slots_for(None), None,
+                                                     replay={"wanted": wanted, "missing": None})
+            return b if b.state == PLANNED else None
 
     def batch_to_read(self, batch: int) -> BatchState | None:
         """The batch Spark wants read tasks for, or None when it must read nothing: a batch this run did
@@ -321,7 +334,8 @@ class BatchLedger:
                     "inflightRecords": sum(b.rows for b in self.batches.values() if b.state in IN_FLIGHT),
                     "lastAcked": max(done, key=lambda b: b.batch).summary() if done else None,
                     "acquired": self.total_acquired, "accepted": t.accepted, "released": t.released,
-                    "rejected": t.rejected, "expired": t.expired, "failed": t.failed}
+                    "rejected": t.rejected, "expired": t.expired, "failed": t.failed,
+                    **({"replayMissing": self.replay_missing} if self.replay_missing else {})}
 
     def status(self) -> dict:
         """The last batches, the sessions that acquired records, and the claims of the last batch read."""

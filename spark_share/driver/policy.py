@@ -155,7 +155,9 @@ class BatchPolicy(AvailableNowPolicy):
     def current_limit(self, latest: BatchState | None) -> int | None:
         """The records-per-batch limit Spark asked for last (none under ReadAllAvailable): it sizes the
         consumers' polls, so a poll never takes records the batch must give back."""
-        return latest.max_records if latest is not None else self.max_records_per_trigger
+        if latest is None or latest.replay is not None:  # a replay has no limit of its own: its records are named
+            return self.max_records_per_trigger
+        return latest.max_records
 
     @property
     def lock_budget(self) -> int:
@@ -171,6 +173,8 @@ class BatchPolicy(AvailableNowPolicy):
         return size if limit is None else min(size, max(1, limit // slots))
 
     def slot_budgets(self, b: BatchState) -> list[int | None]:
+        if b.replay is not None:  # its records are named: each slot hands out every one of them it gets
+            return [None] * b.slots
         per_slot = None if b.max_records is None else max(1, b.max_records // max(1, b.slots))
         if self.lock_safe_records is not None:
             per_slot = self.lock_safe_records if per_slot is None else min(per_slot, self.lock_safe_records)

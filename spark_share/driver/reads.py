@@ -1,7 +1,9 @@
 """``readMode=driver``: the query run's share consumers in the source runner, beside the tracker; a batch's
-records acquired as Spark plans it and carried to the read tasks inside their input partitions.
+records acquired at ``latestOffset`` (before Spark writes the offset that names them) and carried to the
+read tasks inside their input partitions; a batch an earlier run planned, acquired again by the records its
+offset names; records of a batch Spark committed, ACCEPTed when they come back and never handed out.
 
-Owns: the in-process agent (the agent of executor hosts, without the socket read tasks use there: it
+Owns: the in-process agent and the run's ``RecordSorter`` (its sessions sort every poll by it) (the agent of executor hosts, without the socket read tasks use there: it
 reaches the tracker over the tracker's own protocol, so claims, acquisitions, verdicts, dead letters,
 acknowledgements and the stop take one path in both modes), reading every slot of a planned batch at
 once, and cutting a slot's rows into partitions that fit a task payload.
@@ -20,6 +22,7 @@ from ..consumers import records
 from ..consumers.agent import CLOSE_WAIT_S, Agent
 from ..options import ShareSourceOptions
 from ..partitions import RowsPartition
+from ..record_ranges import RecordRanges, RecordSorter
 
 log = logging.getLogger("spark_share.driver.reads")
 
@@ -27,6 +30,8 @@ log = logging.getLogger("spark_share.driver.reads")
 # crosses Spark's RPC (spark.rpc.message.maxSize, 128 MiB by default) and sits in the driver's memory
 # until the batch ends; Spark warns above 1 MiB per task, which a full poll of 100-byte records passes.
 PARTITION_BYTES = 16 << 20
+# Past the group's session timeout, a new member gets a lost one's partitions within a heartbeat (5 s by default).
+REPLAY_JOIN_MS = 6000
 
 
 class DriverReads:
@@ -38,6 +43,10 @@ class DriverReads:
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._closing = threading.Event()  # set by close(): a replay's wait ends
+        self._planned: dict[int, list[RowsPartition]] = {}  # acquired at latestOffset, until partitions() asks
+        # Known before the agent starts: a replayed batch's polls may begin as its sessions join.
+        self.sorter = tracker.sorter = RecordSorter()
         # Started on a thread of its own: its consumers join the group while Spark writes the first offsets.
         threading.Thread(target=self._start, args=(tracker,), name="spark-share-driver-agent", daemon=True).start()
 
@@ -45,7 +54,8 @@ class DriverReads:
         opts = self._opts
         try:
             agent = Agent(tracker.address, tracker.tracker_id, tracker.secret, opts.consumer_config(),
-                          opts.producer_config() if opts.dead_letter_topic else {}, opts.secret_values(), serve=False)
+                          opts.producer_config() if opts.dead_letter_topic else {}, opts.secret_values(), serve=False,
+                          sorter=self.sorter)
         except BaseException as e:  # the first batch's planning raises it
             self._agent.set_exception(e)
             return
@@ -55,15 +65,60 @@ class DriverReads:
         if closed:  # the stop came while it started: close() did not see it, so it leaves now
             agent.shutdown()
 
-    def partitions(self, batch: int, budgets: list[int | None]) -> list[RowsPartition]:
-        """Every slot of ``batch`` read now, in parallel (a slot read before, by a second planning of the same
-        batch, gets its cached rows), and cut into partitions."""
+    def acquire(self, tracker, b) -> RecordRanges:
+        """Every slot of planned batch ``b`` read now (latestOffset: the offset Spark writes next names these
+        records); what they acquired."""
+        self._planned = {b.batch: self._read(b.batch, tracker.slot_budgets(b), self._opts.poll_timeout_ms)}
+        return tracker.records_of(b)
+
+    def partitions(self, tracker, b) -> list[RowsPartition]:
+        """The partitions of batch ``b``: what ``acquire`` read, or (a batch planned before this Spark asked for
+        its offset) its slots read now."""
+        parts = self._planned.pop(b.batch, None)
+        return parts if parts is not None else self._read(b.batch, tracker.slot_budgets(b), self._opts.poll_timeout_ms)
+
+    def committed(self, ranges: RecordRanges) -> None:
+        """Records of a batch Spark committed that an earlier run may not have acknowledged: ACCEPTed when the
+        broker delivers them again, never handed out."""
+        self.sorter.commit(ranges)
+
+    def replay(self, tracker, batch: int, wanted: RecordRanges, run: str | None = None) -> list[RowsPartition]:
+        """Batch ``batch`` of an earlier run, read again: each slot's poll hands out only the records ``wanted``
+        names (what else it acquires waits, still acquired, for the next batch); what did not come back is
+        counted."""
+        sorter = self.sorter
+        sorter.replay(batch, wanted)  # before the ledger has the batch: nothing polls for it unsorted
+        try:
+            b = tracker.replay(batch, wanted)
+            if b is None:  # stopping
+                return []
+            # A record that earlier run held comes back once its connection closed (both brokers release a
+            # share session's records then) or its lock expired, to a member given its partition. A run that
+            # was lost (not stopped) keeps its members, and their partitions, until the group's session
+            # timeout: a poll before then fills its consumer with later records of the partitions it has and
+            # may not poll again, so the replay waits that long first (a record lock where the cluster does
+            # not say). Then the polls wait up to a record lock for every record the offset names.
+            gone_ms = max(tracker.session_ms or int(tracker.policy.lock_ms), 0) + REPLAY_JOIN_MS
+            if not tracker.closed_cleanly(run):
+                log.info("batch %d: the run that planned it may have been lost with its consumers in the group; "
+                         "the replay waits %.0f s for the group to drop them", batch, gone_ms / 1000)
+                self._closing.wait(gone_ms / 1000)
+            wait_ms = max(self._opts.poll_timeout_ms, int(tracker.policy.lock_ms))
+            parts = self._read(b.batch, tracker.slot_budgets(b), wait_ms)
+        finally:
+            sorter.replayed(batch)
+        tracker.replayed(b, wanted)
+        return parts
+
+    def _read(self, batch: int, budgets: list[int | None], poll_timeout_ms: int) -> list[RowsPartition]:
+        """Every slot of ``batch`` read now, in parallel (a slot read before gets its cached rows), and cut
+        into partitions."""
         agent = self._agent.result(timeout=120)
         with self._lock:
             if self._pool is None:  # a run's slots only shrink (a group refusing members): the first count holds
                 self._pool = ThreadPoolExecutor(max(len(budgets), 1), thread_name_prefix="spark-share-read")
             pool = self._pool
-        reads = [pool.submit(agent.read_slot, batch, slot, budget, self._opts.poll_timeout_ms, None, None)
+        reads = [pool.submit(agent.read_slot, batch, slot, budget, poll_timeout_ms, None, None)
                  for slot, budget in enumerate(budgets)]
         out: list[RowsPartition] = []
         for slot, f in enumerate(reads):
@@ -76,6 +131,7 @@ class DriverReads:
         consumers to close, then let the read threads go. An agent still starting shuts itself down."""
         with self._lock:
             self._closed = True
+        self._closing.set()
         if self._agent.done() and self._agent.exception() is None:
             agent = self._agent.result()
             if not agent.done.wait(CLOSE_WAIT_S):

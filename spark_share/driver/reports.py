@@ -52,6 +52,9 @@ class TrackerReports:
         with self.ledger.lock:
             members = self.members.view(top=hosts)
         last = ledger.pop("lastAcked")
+        sorter = getattr(self, "sorter", None)
+        if sorter is not None and sorter.accepted_again:  # records of a committed batch, ACCEPTed unseen
+            ledger["acceptedAgain"] = sorter.accepted_again
         return {"v": 1, "tracker": self.tracker_id, "batch": ledger.pop("batch"),
                 "inflightRecords": ledger.pop("inflightRecords"), "agents": len(self.agents),
                 "maxRecordsPerConsumer": self.policy.lock_safe_records, "lockBudget": self.policy.lock_budget,

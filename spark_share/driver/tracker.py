@@ -32,6 +32,7 @@ from ..acknowledgement import ACCEPT, RELEASE
 from ..deadletter_target import check_target
 from ..errors import SourceError
 from ..options import ShareSourceOptions, scrub
+from ..record_ranges import RecordRanges, RecordSorter
 from ..spark_versions import available_now_refusal
 from ..transport import wire
 from ..transport.protocol import USER_TO_TRACKER_BY_FILE, Trim, call_async, dispatcher
@@ -89,6 +90,8 @@ class Tracker(TrackerRequests, TrackerReports):
         self._left_reported = False  # a drain that ended with partitions unanswered said so
         self._drain_trimmed = -1  # the last empty batch after which a drain closed unpolled consumers
         self._earlier_run_checked = False  # a replayed batch's run looked up in its final counts
+        self.session_ms: int | None = None  # the group's session timeout, where the cluster says
+        self.sorter: RecordSorter | None = None  # readMode=driver: what the run's sessions sort polls by
         self.commit_log: CommitLog | None = None  # Spark's commit log of the query, once the listener noted it
         # Created before the watcher, whose thread asks it whether the stream is idle; the slots are
         # known once the watcher has listed the partitions.
@@ -147,7 +150,7 @@ class Tracker(TrackerRequests, TrackerReports):
         """Slots from the partitions, and the lock budget and duration from the options or the broker."""
         opts, partitions = self.opts, len(self.metadata.partitions)
         parallelism = os.environ.get(PARALLELISM_ENV)
-        broker_locks, lock_ms, max_members = self.metadata.share_limits()
+        broker_locks, lock_ms, max_members, session_ms = self.metadata.share_limits()
         slots = default_slots(partitions, parallelism)
         if max_members is not None:
             if opts.num_partitions is not None and opts.num_partitions > max_members:
@@ -162,6 +165,7 @@ class Tracker(TrackerRequests, TrackerReports):
         self.policy.partitions = max(1, partitions)
         if lock_ms is not None:
             self.policy.lock_ms = float(lock_ms)
+        self.session_ms = session_ms
         locks, said = opts.max_record_locks, "option maxRecordLocks"
         if locks is None:
             locks, said = broker_locks, "the broker's group.share.partition.max.record.locks"
@@ -279,6 +283,36 @@ class Tracker(TrackerRequests, TrackerReports):
             b.prefetched = self.roster.prefetch(b)
         return b
 
+    def replay(self, batch: int, wanted: RecordRanges) -> BatchState | None:
+        """Batch ``batch`` of an earlier run, read again with the records its offset names (readMode=driver)."""
+        b = self.ledger.replay(batch, len(wanted))
+        if b is not None:
+            log.info("spark-share batch %d was planned by an earlier run of this query: Spark runs it again, and it "
+                     "reads the %d records its offset names (%s), nothing else", batch, len(wanted), wanted.described())
+        return b
+
+    def replayed(self, b: BatchState, wanted: RecordRanges) -> None:
+        """A replayed batch's reads are done: what of its records the broker no longer held for this query is
+        counted and said (never replaced by other records)."""
+        missing = wanted.minus(self.records_of(b))
+        with self.ledger.lock:
+            b.replay = {"wanted": len(wanted), "missing": len(missing)}
+            self.ledger.replay_missing += len(missing)
+        if missing:
+            log.warning("spark-share batch %d, run again: %d of its %d records were not delivered to this query again "
+                        "(another member of share group %r took them, or the broker archived them at the delivery "
+                        "limit): %s. The batch carries the other %d; none is replaced", b.batch, len(missing),
+                        len(wanted), self.opts.group_id, missing.described(), len(wanted) - len(missing))
+
+    def records_of(self, b: BatchState) -> RecordRanges:
+        with self.ledger.lock:
+            return RecordRanges.of_acquired(list(b.acquired.values()))
+
+    @staticmethod
+    def closed_cleanly(run: str | None) -> bool:
+        """Did run ``run`` (a tracker of this host) close its consumers when it stopped?"""
+        return bool(run) and bool((runtime.read_json(runtime.run_end_path(str(run))) or {}).get("consumersClosed"))
+
     def batch_to_read(self, batch: int) -> BatchState | None:
         if self.query_id is None and self.opts.read_mode == "driver":
             self._learn_commit_log()  # Spark wrote this batch's offsets: they name the query this run serves
@@ -383,6 +417,8 @@ class Tracker(TrackerRequests, TrackerReports):
                     **final, "query": self.query_id, "view": "final",
                     "waitedForLockedRecords": self.policy.waiting_for_locks,
                     "letGoOfBatch": self._let_go_of(agents_closed, failed_before)})
+            # Under the run's own id, which its offsets carry: a later run replaying its batch reads it there.
+            runtime.write_private_json(runtime.run_end_path(self.tracker_id), {"consumersClosed": agents_closed})
             self.registration.remove()
             log.info("spark-share tracker %s stopped: %s", self.tracker_id, json.dumps(final))
             runtime.stop_logging_to(self._log_file)

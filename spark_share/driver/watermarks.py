@@ -43,12 +43,15 @@ RECORD_LOCKS_CONFIG = "group.share.partition.max.record.locks"
 GROUP_LOCK_CONFIG = "share.record.lock.duration.ms"  # the group's own
 BROKER_LOCK_CONFIG = "group.share.record.lock.duration.ms"  # the default of groups that set none
 MAX_MEMBERS_CONFIG = "group.share.max.size"  # members a share group may have (Kafka: 200 by default)
+GROUP_SESSION_CONFIG = "share.session.timeout.ms"  # the group's own: how long a lost member keeps its partitions
+BROKER_SESSION_CONFIG = "group.share.session.timeout.ms"  # the default of groups that set none
 
 
 class ShareLimits(NamedTuple):
     record_locks: int | None
     lock_ms: int | None
     max_members: int | None
+    session_ms: int | None = None
 
 
 def _int(entry) -> int | None:
@@ -118,19 +121,21 @@ class MetadataWatcher:
         ``group.share.partition.max.record.locks`` (records of a partition the group may have in
         flight), the group's record lock duration in ms (its ``share.record.lock.duration.ms``, else the
         broker's ``group.share.record.lock.duration.ms``) and the broker's ``group.share.max.size``
-        (members a share group may have). None where the cluster does not say (no DescribeConfigs
+        (members a share group may have) and the group's session timeout (how long a lost member keeps its
+        partitions). None where the cluster does not say (no DescribeConfigs
         permission; the embedded broker does not implement it)."""
         from confluent_kafka.admin import ConfigResource, ResourceType
 
         if not self._brokers:
-            return ShareLimits(None, None, None)
+            return ShareLimits(None, None, None, None)
         broker = self._configs(ConfigResource(ResourceType.BROKER, str(self._brokers[0])), timeout_s)
         if broker is None:  # the embedded broker, or no permission: the group will not answer either
-            return ShareLimits(None, None, None)
+            return ShareLimits(None, None, None, None)
         group = self._configs(ConfigResource(ResourceType.GROUP, self._opts.group_id), timeout_s) or {}
         return ShareLimits(_int(broker.get(RECORD_LOCKS_CONFIG)),
                            _int(group.get(GROUP_LOCK_CONFIG)) or _int(broker.get(BROKER_LOCK_CONFIG)),
-                           _int(broker.get(MAX_MEMBERS_CONFIG)))
+                           _int(broker.get(MAX_MEMBERS_CONFIG)),
+                           _int(group.get(GROUP_SESSION_CONFIG)) or _int(broker.get(BROKER_SESSION_CONFIG)))
 
     def _configs(self, resource, timeout_s: float) -> dict | None:
         try:

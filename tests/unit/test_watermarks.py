@@ -26,6 +26,7 @@ from spark_share.driver import watermarks
 from spark_share.driver.watermarks import (
     BACKLOG_REFRESH_S,
     BROKER_LOCK_CONFIG,
+    BROKER_SESSION_CONFIG,
     GROUP_LOCK_CONFIG,
     MAX_MEMBERS_CONFIG,
     RECORD_LOCKS_CONFIG,
@@ -349,25 +350,28 @@ def test_share_limits_from_the_broker_and_the_group(cluster, watch):
     cluster.configs[("BROKER", "1")] = {RECORD_LOCKS_CONFIG: "2000", BROKER_LOCK_CONFIG: "30000"}
     cluster.configs[("GROUP", "orders-group")] = {GROUP_LOCK_CONFIG: "15000"}
     w = watch()
-    assert w.share_limits(timeout_s=1) == (2000, 15000, None)
+    assert w.share_limits(timeout_s=1) == (2000, 15000, None, None)
     (admin,) = cluster.admins
     assert admin.asked == [("BROKER", "1"), ("GROUP", "orders-group")]  # the first broker, then the group
     assert "group.id" not in admin.conf and SECRET in admin.conf.values(), "the admin client needs the credentials"
+    # How long a lost member keeps its partitions (a replayed batch waits that long at most for its records).
+    cluster.configs[("BROKER", "1")][BROKER_SESSION_CONFIG] = "45000"
+    assert watch().share_limits(timeout_s=1).session_ms == 45000
 
 
 def test_a_group_without_its_own_lock_gets_the_brokers_default(cluster, watch):
     cluster.configs[("BROKER", "1")] = {RECORD_LOCKS_CONFIG: "500", BROKER_LOCK_CONFIG: "30000",
                                         MAX_MEMBERS_CONFIG: "200"}
     cluster.configs[("GROUP", "orders-group")] = {GROUP_LOCK_CONFIG: ""}
-    assert watch().share_limits(timeout_s=1) == (500, 30000, 200)
+    assert watch().share_limits(timeout_s=1) == (500, 30000, 200, None)
     cluster.configs.pop(("GROUP", "orders-group"))  # no permission to describe the group
-    assert watch().share_limits(timeout_s=1) == (500, 30000, 200)
+    assert watch().share_limits(timeout_s=1) == (500, 30000, 200, None)
 
 
 def test_limits_the_cluster_does_not_say_are_none(cluster, watch):
     # The embedded broker does not implement DescribeConfigs (nor does a user without the permission).
-    assert watch().share_limits(timeout_s=1) == (None, None, None)
+    assert watch().share_limits(timeout_s=1) == (None, None, None, None)
     cluster.configs[("BROKER", "1")] = {RECORD_LOCKS_CONFIG: "many", BROKER_LOCK_CONFIG: "30000"}
-    assert watch().share_limits(timeout_s=1) == (None, 30000, None)
+    assert watch().share_limits(timeout_s=1) == (None, 30000, None, None)
     cluster.brokers = {}
-    assert watch().share_limits(timeout_s=1) == (None, None, None)
+    assert watch().share_limits(timeout_s=1) == (None, None, None, None)

@@ -1,0 +1,121 @@
+"""Invariant 9 at the source, without Spark: a driver lost with batch 0's records held and unacknowledged
+(SIGKILL of ``replay_harness.py``, which drives the reader as Spark's runner does, readMode=driver).
+
+A restart in which Spark runs batch 0 again (its commit log lacks it) must get batch 0's records, and
+nothing else, under that id; a restart in which Spark committed batch 0 (its commit log has it, the
+acknowledgement never happened) must never emit them again: they are ACCEPTed when they come back. A
+toy (poll anew for the replay, or read nothing) fails both: new records under batch 0, or batch 0's
+records in batch 1."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from harness.support import Workload, check_no_loss, drain_share_group, gid, ids_of, kafka_options, wait_until
+from spark_share.options import parse_options
+from spark_share.reader import ShareStreamReader
+from spark_share.spark_versions import ReadMaxRows
+
+from .test_stop_mid_batch import Lines
+
+HARNESS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "replay_harness.py")
+pytestmark = pytest.mark.slow
+
+
+def lost_driver(kafka, group: str, topic: str, max_rows: int) -> tuple[dict, list[int]]:
+    """Batch 0 read by a run that is then SIGKILLed: (its end offset, the ids it read). The lost run's members
+    keep their partitions until the group's session timeout (the embedded broker gives each partition to one
+    member): 6 s here, which the restart's replay waits out."""
+    kafka.set_session_timeout(6000)
+    proc = subprocess.Popen([sys.executable, HARNESS, group, topic, str(max_rows)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        proc.stdin.write(json.dumps(kafka.client()) + "\n")  # on stdin, not argv: it may hold credentials
+        proc.stdin.flush()
+        lines = Lines(proc)
+        end = json.loads(" ".join(lines.wait_for("OFFSET")[1:]))
+        ids = json.loads(" ".join(lines.wait_for("IDS")[1:]))
+    finally:
+        proc.kill()
+        proc.wait()
+    return end, ids
+
+
+def reader_for(kafka, group: str, topic: str) -> ShareStreamReader:
+    """The source as Spark has it (the limit ``drain`` passes is the one maxRecordsPerTrigger gives Spark)."""
+    return ShareStreamReader(parse_options({**kafka_options(kafka), "kafka.group.id": group, "subscribe": topic,
+                                            "numPartitions": "2", "maxRecordsPerTrigger": "100"}))
+
+
+def read(reader, start, end) -> list[int]:
+    return ids_of({"value": v} for p in reader.partitions(start, end) for rb in reader.read(p)
+                  for v in rb.column("value").to_pylist())
+
+
+def drain(reader, start, limit: int, want: set[int], timeout: float = 60) -> list[int]:
+    """Batches after ``start``, as Spark's triggers ask for them, until every id of ``want`` was read (or
+    ``timeout``): every id read, in order."""
+    got: list[int] = []
+    at = [start]
+
+    def next_batch() -> bool:
+        end = reader.latestOffset(at[0], ReadMaxRows(limit))
+        if end != at[0]:
+            got.extend(read(reader, at[0], end))
+            at[0] = end
+        return want <= set(got)
+
+    wait_until(next_batch, timeout=timeout, message=f"the batches after {start} did not read every record")
+    reader.commit(at[0])  # Spark's commit log has the last batch: acknowledged, as Spark's next trigger does
+    return got
+
+
+def test_a_batch_run_again_after_a_lost_driver_carries_the_same_records(kafka):
+    w = Workload(kafka, "replayed", partitions=2)
+    w.produce(300)
+    group = kafka.group(gid())
+    end0, first = lost_driver(kafka, group, w.topic, 100)
+    assert 0 < len(first) <= 100 + 2 * 50, first  # the limit, or a producer batch past it per partition
+    assert "records" in end0, "readMode=driver's offset must name the batch's records"
+
+    reader = reader_for(kafka, group, w.topic)
+    try:
+        start = reader.initialOffset()
+        # A restart: Spark first runs batch 0 again (offsets/0 is in its log, commits/0 is not).
+        again = read(reader, start, end0)
+        assert sorted(again) == sorted(first), "the replayed batch 0 carried other records than its first run"
+        status = reader._tracker.status()
+        replayed = [b for b in status["batches"] if b["batch"] == 0][0]
+        assert replayed["replay"] == {"wanted": len(first), "missing": 0}, replayed
+        rest = drain(reader, end0, 100, set(w.ids) - set(first))
+    finally:
+        reader.stop()
+    assert not set(rest) & set(first), "records of batch 0 came back in a later batch"
+    assert check_no_loss(w.ids, again + rest).duplicates == 0
+
+
+def test_records_of_a_committed_batch_are_accepted_when_they_come_back_never_emitted(kafka):
+    w = Workload(kafka, "committed", partitions=2)
+    w.produce(300)
+    group = kafka.group(gid())
+    end0, first = lost_driver(kafka, group, w.topic, 100)
+    assert first
+
+    reader = reader_for(kafka, group, w.topic)
+    try:
+        reader.initialOffset()
+        # A restart after Spark's commit log had batch 0 and before its acknowledgement: Spark asks for what
+        # follows batch 0 (Spark < 4.2 first names it through partitions(end, end)).
+        assert reader.partitions(end0, end0) == []
+        rest = drain(reader, end0, 100, set(w.ids) - set(first))
+        accepted_again = reader._tracker.progress().get("acceptedAgain", 0)
+    finally:
+        reader.stop()
+    assert not set(rest) & set(first), f"{len(set(rest) & set(first))} records of the committed batch 0 were emitted"
+    assert sorted(rest) == sorted(set(w.ids) - set(first))
+    assert accepted_again == len(first), "every record of batch 0 should come back and be ACCEPTed unseen"
+    assert not drain_share_group(kafka, group, [w.topic], timeout=5), "records were left in the group"

@@ -1,0 +1,110 @@
+"""``record_ranges``: a batch's records as the offset names them (compact, bounded at 2,000 partitions, read
+back exactly), what is missing of them, and how a session sorts one poll by them."""
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from spark_share.errors import SourceError
+from spark_share.offsets import offset_of, records_of, reported
+from spark_share.record_ranges import RecordRanges, RecordSorter
+
+
+class Msg:
+    """What a session sorts: confluent-kafka's Message accessors."""
+
+    def __init__(self, topic: str, partition: int, offset: int):
+        self._t, self._p, self._o = topic, partition, offset
+
+    def topic(self):
+        return self._t
+
+    def partition(self):
+        return self._p
+
+    def offset(self):
+        return self._o
+
+    def __repr__(self):
+        return f"{self._t}-{self._p}@{self._o}"
+
+
+def ranges_like_a_batch(partitions: int, seed: int = 1, runs_per_partition: int = 1) -> RecordRanges:
+    """One batch at Kafka's default lock budget: up to 2,000 records per partition, far into the log."""
+    rng = random.Random(seed)
+    runs = {}
+    for p in range(partitions):
+        at, rs = rng.randrange(10**9), []
+        for _ in range(runs_per_partition):
+            n = rng.randrange(1, 2000 // runs_per_partition)
+            rs.append([at, at + n - 1])
+            at += n + rng.randrange(1, 50)  # a gap: records another member holds
+        runs[("orders", p)] = rs
+    return RecordRanges(runs)
+
+
+def test_what_slots_acquired_is_merged_per_partition_and_read_back_exactly():
+    acquired = [{"offsets": {"t": {"0": [[0, 9], [20, 29]], "1": [[5, 5]]}}},
+                {"offsets": {"t": {"0": [[10, 14]]}, "u": {"3": [[100, 199]]}}}, {"rows": 0}]
+    r = RecordRanges.of_acquired(acquired)
+    assert r.runs == {("t", 0): [(0, 14), (20, 29)], ("t", 1): [(5, 5)], ("u", 3): [(100, 199)]}
+    assert len(r) == 15 + 10 + 1 + 100
+    assert RecordRanges.decode(r.encode()) == r
+    assert records_of(offset_of(4, "run1", None, r)) == r
+    assert records_of(offset_of(4, "run1")) is None  # readMode=executors, or an older offset
+
+
+def test_an_offset_with_records_is_still_ours_in_a_progress_report():
+    text = json.dumps(offset_of(5, "abcd", None, RecordRanges({("t", 0): [(0, 9)]})))
+    assert reported(text) == (5, "abcd", None)
+
+
+@pytest.mark.parametrize("partitions, runs, bound", [(8, 1, 200), (8, 5, 400), (2000, 1, 18_000)])
+def test_the_offsets_records_stay_small(partitions, runs, bound):
+    """The offset is in every progress report (start and end): at 8 partitions a few hundred bytes; at 2,000,
+    one run each (records far into the log, at random), about 17 KB: the offsets themselves, which do not compress."""
+    r = ranges_like_a_batch(partitions, runs_per_partition=runs)
+    text = json.dumps(offset_of(123, "0123456789abcdef", None, r))
+    print(f"{partitions} partitions x {runs} runs: {len(text)} bytes")
+    assert len(text) <= bound
+    assert RecordRanges.decode(json.loads(text)["records"]) == r
+
+
+def test_membership_and_what_is_missing():
+    r = RecordRanges({("t", 0): [(10, 19), (30, 30)], ("t", 1): [(0, 4)]})
+    assert [o for o in range(40) if r.contains("t", 0, o)] == list(range(10, 20)) + [30]
+    assert r.mask("t", 0, np.arange(8, 32)).tolist() == [r.contains("t", 0, o) for o in range(8, 32)]
+    assert not r.mask("t", 7, np.arange(3)).any()
+    got = RecordRanges({("t", 0): [(12, 15), (30, 31)], ("u", 0): [(0, 1)]})
+    assert r.minus(got).runs == {("t", 0): [(10, 11), (16, 19)], ("t", 1): [(0, 4)]}
+    assert len(r.minus(r)) == 0
+    assert r.union(got).runs[("t", 0)] == [(10, 19), (30, 31)]
+
+
+@pytest.mark.parametrize("text", ["", "z1:", "z1:!!!", "z2:eJwDAAAAAAE=", "z1:" + "A" * 8,
+                                  "z1:eJyrVkpJTbFSiFYqLknNTVWKBQAzHQWd"])
+def test_records_that_are_not_ours_are_a_clear_error(text):
+    with pytest.raises(SourceError, match="new checkpointLocation"):
+        RecordRanges.decode(text)
+
+
+def test_a_session_sorts_a_poll_into_the_batchs_the_committed_and_the_next_batchs():
+    sorter = RecordSorter()
+    poll = [Msg("t", p, o) for p in (0, 1) for o in range(10)] + [Msg("u", 0, 3)]
+    assert sorter.sort(7, poll) == (poll, [], [])  # nothing to sort by: every record is the batch's
+    sorter.commit(RecordRanges({("t", 0): [(0, 2)]}))
+    sorter.commit(RecordRanges({("t", 1): [(9, 9)]}))  # a second committed batch adds to the first
+    mine, done, later = sorter.sort(7, poll)
+    assert [repr(m) for m in done] == ["t-0@0", "t-0@1", "t-0@2", "t-1@9"]
+    assert len(mine) == len(poll) - 4 and not later
+    sorter.replay(8, RecordRanges({("t", 0): [(2, 5)], ("u", 0): [(3, 3)]}))
+    mine, done, later = sorter.sort(8, poll)
+    assert [repr(m) for m in mine] == ["t-0@3", "t-0@4", "t-0@5", "u-0@3"]  # a committed one is never the batch's
+    assert [repr(m) for m in done] == ["t-0@0", "t-0@1", "t-0@2", "t-1@9"]
+    assert {repr(m) for m in later} == {repr(m) for m in poll} - {repr(m) for m in mine + done}
+    assert sorter.accepted_again == 8
+    sorter.replayed(8)
+    assert sorter.wanted(8) is None and len(sorter.sort(8, poll)[0]) == len(poll) - 4
