@@ -15,7 +15,17 @@ import sys
 
 import pytest
 
-from harness.support import Workload, check_no_loss, drain_share_group, gid, ids_of, kafka_options, wait_until
+import spark_share
+from harness.support import (
+    Workload,
+    check_no_loss,
+    drain_share_group,
+    gid,
+    ids_of,
+    kafka_options,
+    read_stream,
+    wait_until,
+)
 from spark_share.options import parse_options
 from spark_share.reader import ShareStreamReader
 from spark_share.spark_versions import ReadMaxRows
@@ -119,3 +129,42 @@ def test_records_of_a_committed_batch_are_accepted_when_they_come_back_never_emi
     assert sorted(rest) == sorted(set(w.ids) - set(first))
     assert accepted_again == len(first), "every record of batch 0 should come back and be ACCEPTed unseen"
     assert not drain_share_group(kafka, group, [w.topic], timeout=5), "records were left in the group"
+
+
+def test_a_delta_table_written_with_application_transactions_gets_every_record_once(spark, kafka, tmp_path):
+    """A real Delta table (delta-rs), written as Databricks' ``txnAppId``/``txnVersion`` writes are: each batch
+    appends in a transaction that records (query id, batch id), and a batch id the table already has is
+    skipped. foreachBatch raises right after batch 1's commit to the table, before Spark's commit log; the
+    restart runs batch 1 again, which must carry the same records (the table skips it) and nothing else."""
+    from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+
+    w = Workload(kafka, "delta", partitions=2)
+    w.produce(400)
+    group, ck, table = kafka.group(gid()), str(tmp_path / "ck"), str(tmp_path / "orders")
+    crashes = [RuntimeError("crash after the Delta commit, before Spark's commit log")]
+
+    def to_delta(df, batch_id):
+        app = df.sparkSession.sparkContext.getLocalProperty("sql.streaming.queryId")
+        done = DeltaTable(table).transaction_version(app) if DeltaTable.is_deltatable(table) else None
+        if done is not None and done >= batch_id:
+            return  # this batch id is in the table already
+        rows = df.select("topic", "partition", "offset", "value").toArrow()
+        write_deltalake(table, rows, mode="append",
+                        commit_properties=CommitProperties(app_transactions=[Transaction(app_id=app, version=batch_id)]))
+        if batch_id == 1 and crashes:
+            raise crashes.pop()
+
+    def run():
+        return spark_share.drain(read_stream(spark, kafka, group, w.topic, readMode="driver", maxRecordsPerTrigger=100)
+                                 .writeStream.foreachBatch(to_delta).option("checkpointLocation", ck))
+
+    q = run()
+    with pytest.raises(Exception, match="crash after the Delta commit"):
+        q.awaitTermination(180)
+    q = run()
+    assert q.awaitTermination(180)
+    assert q.exception() is None
+    assert q.recentProgress[0]["batchId"] == 1, "the restart should run batch 1 again"
+    written = DeltaTable(table).to_pyarrow_table().to_pylist()
+    report = check_no_loss(w.ids, ids_of(written))
+    assert report.duplicates == 0, report
