@@ -3,10 +3,11 @@ records acquired at ``latestOffset`` (before Spark writes the offset that names 
 read tasks inside their input partitions; a batch an earlier run planned, acquired again by the records its
 offset names; records of a batch Spark committed, ACCEPTed when they come back and never handed out.
 
-Owns: the in-process agent and the run's ``RecordSorter`` (its sessions sort every poll by it) (the agent of executor hosts, without the socket read tasks use there: it
+Owns: the in-process agent (the agent of executor hosts, without the socket read tasks use there: it
 reaches the tracker over the tracker's own protocol, so claims, acquisitions, verdicts, dead letters,
-acknowledgements and the stop take one path in both modes), reading every slot of a planned batch at
-once, and cutting a slot's rows into partitions that fit a task payload.
+acknowledgements and the stop take one path in both modes), the run's ``RecordSorter`` (its sessions sort
+every poll by it), reading every slot of a planned or replayed batch at once, and cutting a slot's rows
+into partitions that fit a task payload.
 
 Must never: give executors anything to do but decode Arrow (no process, socket, file or variable of
 ours on an executor host), or hand Spark a partition whose rows the tracker does not know of (a slot's
@@ -42,8 +43,7 @@ class DriverReads:
         self._agent: Future = Future()
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
-        self._closed = False
-        self._closing = threading.Event()  # set by close(): a replay's wait ends
+        self._closing = threading.Event()  # set by close(): an agent still starting leaves, a replay's wait ends
         self._planned: dict[int, list[RowsPartition]] = {}  # acquired at latestOffset, until partitions() asks
         # Known before the agent starts: a replayed batch's polls may begin as its sessions join.
         self.sorter = tracker.sorter = RecordSorter()
@@ -61,7 +61,7 @@ class DriverReads:
             return
         with self._lock:
             self._agent.set_result(agent)
-            closed = self._closed
+            closed = self._closing.is_set()
         if closed:  # the stop came while it started: close() did not see it, so it leaves now
             agent.shutdown()
 
@@ -98,7 +98,7 @@ class DriverReads:
             # timeout: a poll before then fills its consumer with later records of the partitions it has and
             # may not poll again, so the replay waits that long first (a record lock where the cluster does
             # not say). Then the polls wait up to a record lock for every record the offset names.
-            gone_ms = max(tracker.session_ms or int(tracker.policy.lock_ms), 0) + REPLAY_JOIN_MS
+            gone_ms = (tracker.session_ms or int(tracker.policy.lock_ms)) + REPLAY_JOIN_MS
             if not tracker.closed_cleanly(run):
                 log.info("batch %d: the run that planned it may have been lost with its consumers in the group; "
                          "the replay waits %.0f s for the group to drop them", batch, gone_ms / 1000)
@@ -130,8 +130,7 @@ class DriverReads:
         """After the tracker's stop (which shut the agent down through its connection): wait, bounded, for the
         consumers to close, then let the read threads go. An agent still starting shuts itself down."""
         with self._lock:
-            self._closed = True
-        self._closing.set()
+            self._closing.set()
         if self._agent.done() and self._agent.exception() is None:
             agent = self._agent.result()
             if not agent.done.wait(CLOSE_WAIT_S):

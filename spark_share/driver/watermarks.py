@@ -51,7 +51,7 @@ class ShareLimits(NamedTuple):
     record_locks: int | None
     lock_ms: int | None
     max_members: int | None
-    session_ms: int | None = None
+    session_ms: int | None
 
 
 def _int(entry) -> int | None:
