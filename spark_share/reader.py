@@ -122,6 +122,14 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if (self._driver_reads is None or offset.get("run") in (None, self._tracker.tracker_id)
                 or self._committed_noted == batch_of(offset)):
             return
+        if self._tracker.released_after_commit(offset.get("run"), batch_of(offset)):
+            log.warning("spark-share batch %d was committed by Spark but given back by the run that read it (its dead "
+                        "letters could not be written): its records are processed again", batch_of(offset))
+            return
+        if batch_of(offset) in self._tracker.batches:
+            # This run read it again: it acknowledges what the replay carried itself, and what the replay did not
+            # get (another member had it) was never written: it must reach a later batch if it comes back.
+            return
         self._committed_noted = batch_of(offset)
         committed = records_of(offset)
         if committed:

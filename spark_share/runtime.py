@@ -28,7 +28,7 @@ LOG_RETENTION_S = 7 * 86400
 LOG_MAX_BYTES = 10 << 20  # a tracker log rotates at this size...
 LOG_BACKUPS = 3  # ...keeping this many older files
 AGENT_LOG_RUNS = 20  # the agent logs of this many query runs are kept on a host (their own rotation caps each)
-_SAFE_ID = re.compile(r"[0-9a-f]{16}")  # a tracker id (it names files here)
+SAFE_ID = re.compile(r"[0-9a-f]{16}")  # a tracker id (it names files here)
 ORPHAN_AGE_S = 3600.0  # an agent's lock files unused this long, with no holder, are removed
 ABSTRACT_PREFIX = "spark-share-agent-"  # of every agent's socket name (tests find agents by it)
 
@@ -101,7 +101,8 @@ def release_tracker_lock(tracker_id: str, fd: int) -> None:
     os.close(fd)
 
 
-def _tracker_alive(tracker_id: str) -> bool:
+def tracker_alive(tracker_id: str) -> bool:
+    """Does a tracker of this host with this id still run (it holds its life lock)?"""
     return _lock_held(tracker_lock_path(tracker_id))
 
 
@@ -195,7 +196,7 @@ def live_registry_entry(query_id: str) -> dict | None:
 
 def live_run_entry(tracker_id: str) -> dict | None:
     """The registry entry of a tracker by its id, if it still runs."""
-    if not _SAFE_ID.fullmatch(tracker_id or "") or not _tracker_alive(tracker_id):
+    if not SAFE_ID.fullmatch(tracker_id or "") or not tracker_alive(tracker_id):
         return None
     return read_json(run_registry_path(tracker_id))
 
@@ -229,14 +230,14 @@ def prune(max_age_s: float = LOG_RETENTION_S, orphan_age_s: float = ORPHAN_AGE_S
         elif name.startswith("query-") and name.endswith(".json"):
             gone = live_registry_entry(name[len("query-"):-len(".json")]) is None
         elif name.startswith("run-") and name.endswith(".json"):
-            gone = not _tracker_alive(name[len("run-"):-len(".json")])
+            gone = not tracker_alive(name[len("run-"):-len(".json")])
         elif (name.startswith("checkpoint-") or name.startswith("final-")) and name.endswith(".json"):
             query_id = name[name.index("-") + 1:-len(".json")]
             gone = age > max_age_s and live_registry_entry(query_id) is None
         elif name.startswith("agent-"):
             continue  # prune_agent_files, below
         elif name.startswith("tracker-") and name.endswith(".alive"):
-            gone = not _tracker_alive(name[len("tracker-"):-len(".alive")])
+            gone = not tracker_alive(name[len("tracker-"):-len(".alive")])
         elif name.startswith("tls-") and name.endswith(".pem"):  # a key file whose loader was killed mid-load
             gone = age > 60
         if gone:
@@ -267,7 +268,7 @@ def prune_agent_files(max_age_s: float = LOG_RETENTION_S, orphan_age_s: float = 
         except OSError:
             continue
         if name.endswith(".spawn"):
-            if now - mtime > orphan_age_s or not _tracker_alive(name[len("agent-"):-len(".spawn")]):
+            if now - mtime > orphan_age_s or not tracker_alive(name[len("agent-"):-len(".spawn")]):
                 removed += _remove_orphan_agent_files(path[:-len(".spawn")])
         elif name.endswith(".sock") and not _lock_held(path[:-len(".sock")] + ".alive"):
             remove(path)  # a socket file of a version before abstract sockets

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..consumers import records
@@ -33,6 +34,7 @@ log = logging.getLogger("spark_share.driver.reads")
 PARTITION_BYTES = 16 << 20
 # Past the group's session timeout, a new member gets a lost one's partitions within a heartbeat (5 s by default).
 REPLAY_JOIN_MS = 6000
+EARLIER_STOP_WAIT_S = 45.0  # a stopping run's tracker ends within this (its bounded waits for the broker)
 
 
 class DriverReads:
@@ -98,8 +100,13 @@ class DriverReads:
             # timeout: a poll before then fills its consumer with later records of the partitions it has and
             # may not poll again, so the replay waits that long first (a record lock where the cluster does
             # not say). Then the polls wait up to a record lock for every record the offset names.
-            gone_ms = (tracker.session_ms or int(tracker.policy.lock_ms)) + REPLAY_JOIN_MS
-            if not tracker.closed_cleanly(run):
+            # A run of this host still stopping (Spark restarts a failed query at once) releases what it holds
+            # in a moment: the replay waits for it.
+            stopping_until = time.monotonic() + EARLIER_STOP_WAIT_S
+            while tracker.earlier_run(run) == "running" and time.monotonic() < stopping_until:
+                self._closing.wait(0.05)
+            if tracker.earlier_run(run) != "closed":
+                gone_ms = (tracker.session_ms or int(tracker.policy.lock_ms)) + REPLAY_JOIN_MS
                 log.info("batch %d: the run that planned it may have been lost with its consumers in the group; "
                          "the replay waits %.0f s for the group to drop them", batch, gone_ms / 1000)
                 self._closing.wait(gone_ms / 1000)

@@ -63,6 +63,11 @@ TRIM_TIMEOUT_S = 15.0  # an agent asked to close idle members answers within thi
 SHUTDOWN_WAIT_S = 10.0  # a stop waits this long at most for acknowledgements under way, then for agents
 
 
+def _run_end(run: str) -> dict:
+    """What query run ``run`` of this host said when it stopped (``runtime.run_end_path``)."""
+    return runtime.read_json(runtime.run_end_path(run)) or {}
+
+
 def _bind_host(read_mode: str) -> str:
     """The narrowest interface executors can reach: loopback in local mode and with readMode=driver (only
     processes of the driver host connect), else the address they already reach the driver on.
@@ -91,6 +96,7 @@ class Tracker(TrackerRequests, TrackerReports):
         self._drain_trimmed = -1  # the last empty batch after which a drain closed unpolled consumers
         self._earlier_run_checked = False  # a replayed batch's run looked up in its final counts
         self.session_ms: int | None = None  # the group's session timeout, where the cluster says
+        self.released_committed: set[int] = set()  # committed batches released (their dead letters failed)
         self.sorter: RecordSorter | None = None  # readMode=driver: what the run's sessions sort polls by
         self.commit_log: CommitLog | None = None  # Spark's commit log of the query, once the listener noted it
         # Created before the watcher, whose thread asks it whether the stream is idle; the slots are
@@ -309,9 +315,21 @@ class Tracker(TrackerRequests, TrackerReports):
             return RecordRanges.of_acquired(list(b.acquired.values()))
 
     @staticmethod
-    def closed_cleanly(run: str | None) -> bool:
-        """Did run ``run`` (a tracker of this host) close its consumers when it stopped?"""
-        return bool(run) and bool((runtime.read_json(runtime.run_end_path(str(run))) or {}).get("consumersClosed"))
+    def earlier_run(run: str | None) -> str:
+        """What this host knows of query run ``run``: "running" (its tracker is still stopping), "closed" (it
+        stopped and closed its consumers), else "unknown" (lost, or on another host)."""
+        if not run or not runtime.SAFE_ID.fullmatch(str(run)):
+            return "unknown"
+        if runtime.tracker_alive(run):
+            return "running"
+        return "closed" if _run_end(run).get("consumersClosed") else "unknown"
+
+    @staticmethod
+    def released_after_commit(run: str | None, batch: int) -> bool:
+        """Did run ``run`` (of this host) give back batch ``batch`` although Spark committed it (its dead letters
+        could not be written)? Then its records must come back to be processed, verdicts and all."""
+        return bool(run) and runtime.SAFE_ID.fullmatch(str(run)) is not None and batch in _run_end(str(run)).get(
+            "releasedCommitted", [])
 
     def batch_to_read(self, batch: int) -> BatchState | None:
         if self.query_id is None and self.opts.read_mode == "driver":
@@ -341,6 +359,8 @@ class Tracker(TrackerRequests, TrackerReports):
 
     def _acknowledge(self, b: BatchState, default: int) -> None:
         failure = self.acks.acknowledge(b, default, queued=self.ledger.notify)
+        if failure and default == ACCEPT:  # a committed batch given back: a later run must not ACCEPT it unseen
+            self.released_committed.add(b.batch)
         if failure and not self.failure:
             self.failure = failure
 
@@ -418,7 +438,8 @@ class Tracker(TrackerRequests, TrackerReports):
                     "waitedForLockedRecords": self.policy.waiting_for_locks,
                     "letGoOfBatch": self._let_go_of(agents_closed, failed_before)})
             # Under the run's own id, which its offsets carry: a later run replaying its batch reads it there.
-            runtime.write_private_json(runtime.run_end_path(self.tracker_id), {"consumersClosed": agents_closed})
+            runtime.write_private_json(runtime.run_end_path(self.tracker_id), {
+                "consumersClosed": agents_closed, "releasedCommitted": sorted(self.released_committed)})
             self.registration.remove()
             log.info("spark-share tracker %s stopped: %s", self.tracker_id, json.dumps(final))
             runtime.stop_logging_to(self._log_file)

@@ -205,7 +205,7 @@ def run(spark, cfg: JobConfig, quiet: bool = False) -> Summary:
         for p in q.recentProgress:  # the last 100 batches: polled well within 100 batches
             batch = batches.note(p)
             if batch is not None and connect and not quiet:
-                print(f"batch {batch}: read {p['numInputRows']}", flush=True)
+                print(f"batch {batch}: read {_field(p, 'numInputRows')}", flush=True)
         if ended:
             break
     if before is None:
@@ -215,6 +215,15 @@ def run(spark, cfg: JobConfig, quiet: bool = False) -> Summary:
     s = _TableCounts.read(spark, cfg).summary_since(before, batches.rows, summary.started)
     s.reading = batches.reading()
     return s
+
+
+def _field(progress, name: str):
+    """A field of a progress report: an attribute of Spark Connect's ``StreamingQueryProgress`` (its items are
+    not filled there), an item of the dict classic PySpark gives."""
+    value = getattr(progress, name, None)
+    if value is None and isinstance(progress, dict):
+        value = progress.get(name)
+    return value
 
 
 class _Batches:
@@ -232,16 +241,16 @@ class _Batches:
     def note(self, progress) -> int | None:
         """Take one report; the batch id when the batch is new (a report without data repeats the id
         of the batch to come, so reports are told apart by id and start)."""
-        batch, stamp = int(progress["batchId"]), str(progress["timestamp"])
+        batch, stamp = int(_field(progress, "batchId")), str(_field(progress, "timestamp"))
         if (batch, stamp) in self._seen:
             return None
         self._seen.add((batch, stamp))
-        rows = int(progress["numInputRows"] or 0)
+        rows = int(_field(progress, "numInputRows") or 0)
         new = batch not in self.rows
         self.rows[batch] = self.rows.get(batch, 0) + rows
         if rows:
             started = datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
-            took = (progress.get("durationMs") or {}).get("triggerExecution", progress.get("batchDuration") or 0)
+            took = (_field(progress, "durationMs") or {}).get("triggerExecution", _field(progress, "batchDuration") or 0)
             self._first = started if self._first is None else min(self._first, started)
             self._last = max(self._last or started, started + took / 1000)
         return batch if new or rows else None

@@ -40,12 +40,13 @@ from harness.support import (
 )
 from spark_share import spark_versions
 from spark_share.consumers.agent import CLOSE_WAIT_S
+from spark_share.offsets import records_of
 from spark_share.runtime import checkpoint_note_path, registry_path, runtime_dir
 from spark_share.transport import endpoints, wire
 
 
 @pytest.mark.both_read_modes
-def test_available_now_drains_acknowledges_and_ends(spark, kafka, tmp_path):
+def test_available_now_drains_acknowledges_and_ends(spark, kafka, tmp_path, read_mode):
     w = Workload(kafka, "orders", partitions=2)
     w.produce(600)
     group = kafka.group(uid("g"))
@@ -76,9 +77,13 @@ def test_available_now_drains_acknowledges_and_ends(spark, kafka, tmp_path):
     lines = re.findall(r"spark-share batch (\d+) \(group [^)]+\): acquired (\d+), accepted (\d+)", tracker_log(q))
     # The closing batch (1) acquired nothing: its line is DEBUG, like an idle probe's.
     assert [(int(b), int(n), int(a)) for b, n, a in lines] == [(0, 600, 600)], lines
-    # The offsets are small, versioned and carry neither address nor secret: the batch and its run.
+    # The offsets are small, versioned and carry neither address nor secret: the batch and its run, and with
+    # readMode=driver the records the batch acquired (a replay gets them again).
     offset = json.loads(open(os.path.join(ck, "offsets", "0")).read().strip().splitlines()[-1])
-    assert set(offset) == {"v", "batch", "run"} and (offset["v"], offset["batch"]) == (1, 0), offset
+    assert set(offset) == {"v", "batch", "run"} | ({"records"} if read_mode == "driver" else set()), offset
+    assert (offset["v"], offset["batch"]) == (1, 0), offset
+    if read_mode == "driver":
+        assert len(records_of(offset)) == 600 and len(offset["records"]) < 200, offset
     assert re.fullmatch(r"[0-9a-f]{16}", offset["run"]) and offset["run"] in tracker_log(q), offset
     # An agent ends once its consumers have closed, which it waits for at most CLOSE_WAIT_S (their releases
     # wait for the broker): the bound here is past that, or a slow close on a busy machine fails the test.
