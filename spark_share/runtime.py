@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import sys
+import threading
 import time
 from logging.handlers import RotatingFileHandler
 
@@ -155,10 +156,13 @@ def checkpoint_note_path(query_id: str) -> str:
 # --- owner-only JSON files ----------------------------------------------------------------------
 def write_private_json(path: str, content: dict) -> None:
     """Write ``content`` readable by this user only, replacing ``path`` atomically."""
-    fd = os.open(path + ".tmp", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+    # A temporary name of this writer's own: two trackers of one query (two kafka-share sources) write the
+    # same entry at once, and with a shared one the second replace found it gone (FileNotFoundError).
+    tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"
+    fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(content, f)
-    os.replace(path + ".tmp", path)
+    os.replace(tmp, path)
 
 
 def read_json(path: str) -> dict | None:
