@@ -3,7 +3,7 @@
 Lives in the reader's runner process (``python_streaming_source_runner``), started lazily by
 the reader. Owns: the per-query secret, the TCP server agents and the user's process connect
 to (what it answers them is ``requests``'), acknowledging a batch once Spark committed it, and the
-stop; the progress it reports is ``reports``'. It keeps the batches in the ledger
+stop; the progress it reports is ``reports``', a batch run again after a restart ``replays``'. It keeps the batches in the ledger
 (``ledger``), the agents in the roster (``roster``), and the registry entries through which the
 user's process (foreachBatch, the listener) finds it in ``registration``; it asks the policy
 (``policy``) whether a batch runs and how big, the watermark thread (``watermarks``) whether
@@ -32,7 +32,7 @@ from ..acknowledgement import ACCEPT, RELEASE
 from ..deadletter_target import check_target
 from ..errors import SourceError
 from ..options import ShareSourceOptions, scrub
-from ..record_ranges import RecordRanges, RecordSorter
+from ..record_ranges import RecordSorter
 from ..spark_versions import available_now_refusal
 from ..transport import wire
 from ..transport.protocol import USER_TO_TRACKER_BY_FILE, Trim, call_async, dispatcher
@@ -43,14 +43,9 @@ from .commitlog import CommitLog
 from .drain_policy import AVAILABLE_NOW_UNRESOLVED_S
 from .ledger import BatchLedger
 from .members import IDLE_BATCHES, MemberBook
-from .policy import (
-    DEFAULT_RECORD_LOCKS,
-    PARALLELISM_ENV,
-    BatchPolicy,
-    default_slots,
-    task_slots,
-)
+from .policy import DEFAULT_RECORD_LOCKS, PARALLELISM_ENV, BatchPolicy, default_slots, task_slots
 from .registration import Registration
+from .replays import TrackerReplays
 from .reports import TrackerReports
 from .requests import TrackerRequests
 from .watermarks import MetadataWatcher
@@ -61,11 +56,6 @@ __all__ = ["Tracker", "AGENT_LOST", "one_host"]
 
 TRIM_TIMEOUT_S = 15.0  # an agent asked to close idle members answers within this
 SHUTDOWN_WAIT_S = 10.0  # a stop waits this long at most for acknowledgements under way, then for agents
-
-
-def _run_end(run: str) -> dict:
-    """What query run ``run`` of this host said when it stopped (``runtime.run_end_path``)."""
-    return runtime.read_json(runtime.run_end_path(run)) or {}
 
 
 def _bind_host(read_mode: str) -> str:
@@ -82,7 +72,7 @@ def _bind_host(read_mode: str) -> str:
     return "127.0.0.1"
 
 
-class Tracker(TrackerRequests, TrackerReports):
+class Tracker(TrackerRequests, TrackerReports, TrackerReplays):
     def __init__(self, opts: ShareSourceOptions):
         self.opts = opts
         self.tracker_id = uuid.uuid4().hex[:16]
@@ -96,7 +86,7 @@ class Tracker(TrackerRequests, TrackerReports):
         self._drain_trimmed = -1  # the last empty batch after which a drain closed unpolled consumers
         self._earlier_run_checked = False  # a replayed batch's run looked up in its final counts
         self.session_ms: int | None = None  # the group's session timeout, where the cluster says
-        self.released_committed: set[int] = set()  # committed batches released (their dead letters failed)
+        self.released_committed: set[int] = set()  # committed batches given back (their dead letters failed)
         self.sorter: RecordSorter | None = None  # readMode=driver: what the run's sessions sort polls by
         self.commit_log: CommitLog | None = None  # Spark's commit log of the query, once the listener noted it
         # Created before the watcher, whose thread asks it whether the stream is idle; the slots are
@@ -288,48 +278,6 @@ class Tracker(TrackerRequests, TrackerReports):
         if new and b is not None and b.slots and self.policy.prefetches(b.slots):
             b.prefetched = self.roster.prefetch(b)
         return b
-
-    def replay(self, batch: int, wanted: RecordRanges) -> BatchState | None:
-        """Batch ``batch`` of an earlier run, read again with the records its offset names (readMode=driver)."""
-        b = self.ledger.replay(batch, len(wanted))
-        if b is not None:
-            log.info("spark-share batch %d was planned by an earlier run of this query: Spark runs it again, and it "
-                     "reads the %d records its offset names (%s), nothing else", batch, len(wanted), wanted.described())
-        return b
-
-    def replayed(self, b: BatchState, wanted: RecordRanges) -> None:
-        """A replayed batch's reads are done: what of its records the broker no longer held for this query is
-        counted and said (never replaced by other records)."""
-        missing = wanted.minus(self.records_of(b))
-        with self.ledger.lock:
-            b.replay = {"wanted": len(wanted), "missing": len(missing)}
-            self.ledger.replay_missing += len(missing)
-        if missing:
-            log.warning("spark-share batch %d, run again: %d of its %d records were not delivered to this query again "
-                        "(another member of share group %r took them, or the broker archived them at the delivery "
-                        "limit): %s. The batch carries the other %d; none is replaced", b.batch, len(missing),
-                        len(wanted), self.opts.group_id, missing.described(), len(wanted) - len(missing))
-
-    def records_of(self, b: BatchState) -> RecordRanges:
-        with self.ledger.lock:
-            return RecordRanges.of_acquired(list(b.acquired.values()))
-
-    @staticmethod
-    def earlier_run(run: str | None) -> str:
-        """What this host knows of query run ``run``: "running" (its tracker is still stopping), "closed" (it
-        stopped and closed its consumers), else "unknown" (lost, or on another host)."""
-        if not run or not runtime.SAFE_ID.fullmatch(str(run)):
-            return "unknown"
-        if runtime.tracker_alive(run):
-            return "running"
-        return "closed" if _run_end(run).get("consumersClosed") else "unknown"
-
-    @staticmethod
-    def released_after_commit(run: str | None, batch: int) -> bool:
-        """Did run ``run`` (of this host) give back batch ``batch`` although Spark committed it (its dead letters
-        could not be written)? Then its records must come back to be processed, verdicts and all."""
-        return bool(run) and runtime.SAFE_ID.fullmatch(str(run)) is not None and batch in _run_end(str(run)).get(
-            "releasedCommitted", [])
 
     def batch_to_read(self, batch: int) -> BatchState | None:
         if self.query_id is None and self.opts.read_mode == "driver":

@@ -2,10 +2,10 @@
 batch 0 and no further, so that a test can kill it (SIGKILL, as a lost driver) with batch 0's records held
 and unacknowledged (test_replayed_batches.py).
 
-    python replay_harness.py GROUP TOPIC MAX_ROWS
+    python replay_harness.py GROUP TOPIC
 
-Its first line on stdin is the Kafka client configuration as JSON. It plans and reads batch 0 with a limit
-of MAX_ROWS records, prints ``OFFSET <batch 0's end offset as JSON>`` and ``IDS <the ids it read, JSON>``,
+Its first line on stdin is the Kafka client configuration as JSON. It plans and reads batch 0 (every record
+available, as under Trigger.AvailableNow), prints ``OFFSET <batch 0's end offset as JSON>`` and ``IDS <the ids it read, JSON>``,
 then waits for stdin to close (the test kills it first).
 """
 from __future__ import annotations
@@ -15,17 +15,16 @@ import sys
 
 from spark_share.options import parse_options
 from spark_share.reader import ShareStreamReader
-from spark_share.spark_versions import ReadMaxRows
+from spark_share.spark_versions import ReadAllAvailable
 
 
 def main() -> None:
-    group, topic, max_rows = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    group, topic = sys.argv[1], sys.argv[2]
     client = json.loads(sys.stdin.readline())
     reader = ShareStreamReader(parse_options({**{f"kafka.{k}": v for k, v in client.items()}, "kafka.group.id": group,
-                                              "subscribe": topic, "numPartitions": "2",
-                                              "maxRecordsPerTrigger": str(max_rows)}))
+                                              "subscribe": topic, "numPartitions": "2"}))
     start = reader.initialOffset()
-    end = reader.latestOffset(start, ReadMaxRows(max_rows))
+    end = reader.latestOffset(start, ReadAllAvailable())
     ids = [json.loads(v)["id"] for p in reader.partitions(start, end) for rb in reader.read(p)
            for v in rb.column("value").to_pylist()]
     sys.stdout.write(f"OFFSET {json.dumps(end)}\nIDS {json.dumps(ids)}\n")

@@ -28,7 +28,7 @@ from harness.support import (
 )
 from spark_share.options import parse_options
 from spark_share.reader import ShareStreamReader
-from spark_share.spark_versions import ReadMaxRows
+from spark_share.spark_versions import ReadAllAvailable
 
 from .test_stop_mid_batch import Lines
 
@@ -36,12 +36,12 @@ HARNESS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 pytestmark = pytest.mark.slow
 
 
-def lost_driver(kafka, group: str, topic: str, max_rows: int) -> tuple[dict, list[int]]:
+def lost_driver(kafka, group: str, topic: str) -> tuple[dict, list[int]]:
     """Batch 0 read by a run that is then SIGKILLed: (its end offset, the ids it read). The lost run's members
     keep their partitions until the group's session timeout (the embedded broker gives each partition to one
     member): 6 s here, which the restart's replay waits out."""
     kafka.set_session_timeout(6000)
-    proc = subprocess.Popen([sys.executable, HARNESS, group, topic, str(max_rows)], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, HARNESS, group, topic], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     try:
         proc.stdin.write(json.dumps(kafka.client()) + "\n")  # on stdin, not argv: it may hold credentials
@@ -56,9 +56,9 @@ def lost_driver(kafka, group: str, topic: str, max_rows: int) -> tuple[dict, lis
 
 
 def reader_for(kafka, group: str, topic: str) -> ShareStreamReader:
-    """The source as Spark has it (the limit ``drain`` passes is the one maxRecordsPerTrigger gives Spark)."""
+    """The source as Spark has it (no maxRecordsPerTrigger: ``drain`` asks for every record available)."""
     return ShareStreamReader(parse_options({**kafka_options(kafka), "kafka.group.id": group, "subscribe": topic,
-                                            "numPartitions": "2", "maxRecordsPerTrigger": "100"}))
+                                            "numPartitions": "2"}))
 
 
 def read(reader, start, end) -> list[int]:
@@ -66,14 +66,14 @@ def read(reader, start, end) -> list[int]:
                   for v in rb.column("value").to_pylist())
 
 
-def drain(reader, start, limit: int, want: set[int], timeout: float = 60) -> list[int]:
+def drain(reader, start, want: set[int], timeout: float = 60) -> list[int]:
     """Batches after ``start``, as Spark's triggers ask for them, until every id of ``want`` was read (or
     ``timeout``): every id read, in order."""
     got: list[int] = []
     at = [start]
 
     def next_batch() -> bool:
-        end = reader.latestOffset(at[0], ReadMaxRows(limit))
+        end = reader.latestOffset(at[0], ReadAllAvailable())
         if end != at[0]:
             got.extend(read(reader, at[0], end))
             at[0] = end
@@ -88,8 +88,9 @@ def test_a_batch_run_again_after_a_lost_driver_carries_the_same_records(kafka):
     w = Workload(kafka, "replayed", partitions=2)
     w.produce(300)
     group = kafka.group(gid())
-    end0, first = lost_driver(kafka, group, w.topic, 100)
-    assert 0 < len(first) <= 100 + 2 * 50, first  # the limit, or a producer batch past it per partition
+    end0, first = lost_driver(kafka, group, w.topic)
+    assert first, first
+    w.produce(100)  # records of no batch yet: a replay's polls that bring them keep them for the next batch
     assert "records" in end0, "readMode=driver's offset must name the batch's records"
 
     reader = reader_for(kafka, group, w.topic)
@@ -101,7 +102,7 @@ def test_a_batch_run_again_after_a_lost_driver_carries_the_same_records(kafka):
         status = reader._tracker.status()
         replayed = [b for b in status["batches"] if b["batch"] == 0][0]
         assert replayed["replay"] == {"wanted": len(first), "missing": 0}, replayed
-        rest = drain(reader, end0, 100, set(w.ids) - set(first))
+        rest = drain(reader, end0, set(w.ids) - set(first))
     finally:
         reader.stop()
     assert not set(rest) & set(first), "records of batch 0 came back in a later batch"
@@ -112,8 +113,9 @@ def test_records_of_a_committed_batch_are_accepted_when_they_come_back_never_emi
     w = Workload(kafka, "committed", partitions=2)
     w.produce(300)
     group = kafka.group(gid())
-    end0, first = lost_driver(kafka, group, w.topic, 100)
+    end0, first = lost_driver(kafka, group, w.topic)
     assert first
+    w.produce(100)
 
     reader = reader_for(kafka, group, w.topic)
     try:
@@ -121,7 +123,7 @@ def test_records_of_a_committed_batch_are_accepted_when_they_come_back_never_emi
         # A restart after Spark's commit log had batch 0 and before its acknowledgement: Spark asks for what
         # follows batch 0 (Spark < 4.2 first names it through partitions(end, end)).
         assert reader.partitions(end0, end0) == []
-        rest = drain(reader, end0, 100, set(w.ids) - set(first))
+        rest = drain(reader, end0, set(w.ids) - set(first))
         accepted_again = reader._tracker.progress().get("acceptedAgain", 0)
     finally:
         reader.stop()
