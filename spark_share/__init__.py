@@ -62,6 +62,16 @@ def register(spark) -> None:
     from . import spark_versions  # a clear error where PySpark is missing or older than 4.0
 
     spark_versions.require()
+    if spark_versions.in_pipeline_definitions() and spark_versions.NATIVE_AVAILABLE_NOW:
+        # A source registered from a pipeline's client makes `spark-pipelines run` fail after its run
+        # (docs/deploy.md); the installed package's static registration serves the flows instead.
+        from pyspark.pipelines.logging_utils import log_with_curr_timestamp  # the pipeline's own log lines
+
+        log_with_curr_timestamp(
+            "spark_share.register: in a pipeline's definitions file, format('kafka-share') is the one the "
+            "installed spark-share registers by itself; left as it is (a source registered from here would "
+            "fail spark-pipelines run after its run)")
+        return
     from .user.listener import install_listener
 
     spark.dataSource.register(_source_for(spark))  # replaces pyspark_kafka_share's static one (Spark >= 4.2)

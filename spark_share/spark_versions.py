@@ -109,3 +109,14 @@ def available_now_refusal(trigger_class: str) -> str | None:
             "this run would end after one batch with records still queued. Start the query with "
             "spark_share.drain(writer) instead: on every supported Spark it drains what the queue holds at the "
             "start and stops. What this run acquired is released")
+
+
+def in_pipeline_definitions() -> bool:
+    """Whether this code runs inside a declarative pipeline's definitions file (``spark-pipelines run``
+    executes each file with a graph element registry set in a context variable, Spark >= 4.1)."""
+    try:
+        from pyspark.pipelines import graph_element_registry
+    except Exception:  # noqa: BLE001 - no pipelines in this PySpark
+        return False
+    active = getattr(graph_element_registry, "_graph_element_registry_context_var", None)
+    return active is not None and active.get() is not None

@@ -133,6 +133,34 @@ def test_each_update_drains_the_queue_and_the_next_reads_only_what_arrived_since
     print(f"full refresh: produced {len(third)}, the table holds {refreshed.delivered}, {update.took:.0f} s")
 
 
+def test_register_in_the_definitions_file_keeps_the_static_source_and_the_updates_end_well(kafka, produce,
+                                                                                          pipeline):
+    """``spark_share.register(spark)`` where the rest of the docs have users write it: in the definitions.
+    A source registered from a pipeline's client fails ``spark-pipelines run`` after its run (exit 1,
+    UNKNOWN_RESPONSE, PySpark 4.2 and 4.3); register() leaves the static one in place and says so."""
+    definitions = os.path.join(pipeline.project, "transformations", "orders.py")
+    with open(definitions) as f:
+        text = f.read()
+    anchor = "conf = spark.conf"
+    assert anchor in text, "the example's definitions changed: put the call after its session"
+    with open(definitions, "w") as f:
+        f.write(text.replace(anchor, "import spark_share\nspark_share.register(spark)\n" + anchor, 1))
+    topic = pipeline.topic
+    first = produce(kafka, topic, _orders(range(1, 301)))
+    rows = []
+    for n in (1, 2):  # the second update: nothing new queued, nothing new in the table, exit 0 again
+        update = pipeline.run()
+        assert update.completed(), f"update {n} failed (exit {update.returncode}):\n{update.output[-4000:]}"
+        assert "spark_share.register: in a pipeline's definitions file" in update.output, update.output[-3000:]
+        report = check_no_loss(first, _keys(pipeline.table("orders")))
+        rows.append(report.delivered)
+        print(f"update {n} with register() in the definitions: exit 0, the table holds {report.delivered}, "
+              f"{update.took:.0f} s")
+    assert rows[1] == rows[0], f"the second update wrote {rows[1] - rows[0]} rows with nothing queued"
+    assert report.duplicates == 0 or not kafka.external, report
+    _nothing_left(kafka, pipeline.group, topic)
+
+
 def _start_until_reading(pipeline) -> None:
     """Start an update and return once Spark wrote its first batch's offsets: the batch's reads acquire
     from then on (in the read tasks, or with readMode=driver as Spark plans it). A kill before that write

@@ -5,8 +5,9 @@ text) where it does not, so that a bad record is kept, not dropped, and can be q
 
 One flow reads kafka-share: every flow that reads the format is a query of its own, a member of the
 share group, and would take records from the others. The source is registered in every session of a
-Spark whose Python has spark-share (the module ``pyspark_kafka_share``); do not call
-``spark_share.register(spark)`` here (docs/deploy.md, "Declarative pipelines", says why).
+Spark whose Python has spark-share (the module ``pyspark_kafka_share``); ``spark_share.register(spark)``
+is not needed here, and where it is called it keeps that registration (docs/deploy.md, "Declarative
+pipelines", says why).
 
 Each update drains what is queued when it starts and ends; a record is acknowledged (ACCEPT) once the
 batch that wrote it is in the flow's commit log. The settings come from the pipeline's configuration.
