@@ -48,8 +48,9 @@ class OrdersPipeline:
     """The example pipeline in ``base`` (a test's directory), reading ``topic`` as share group ``group``."""
 
     def __init__(self, base: str, bootstrap: str, group: str, topic: str, max_delivery_count: int = 4,
-                 configuration: dict[str, str] | None = None):
-        self.base, self.group, self.topic = base, group, topic
+                 configuration: dict[str, str] | None = None, python: str = sys.executable):
+        """``python``: the interpreter whose PySpark and spark-share run the pipeline (a venv's)."""
+        self.base, self.group, self.topic, self.python = base, group, topic, python
         self.project = os.path.join(base, "orders_pipeline")
         shutil.copytree(EXAMPLE, self.project, ignore=shutil.ignore_patterns("__pycache__"))
         self.spec = os.path.join(self.project, "spark-pipeline.yml")
@@ -69,25 +70,29 @@ class OrdersPipeline:
         self._out: str = ""
 
     # --- running -----------------------------------------------------------------------------
-    def _env(self) -> dict[str, str]:
-        import pyspark
+    def _pyspark_home(self) -> str:
+        found = subprocess.run([self.python, "-c", "import os, pyspark; print(os.path.dirname(pyspark.__file__))"],
+                               capture_output=True, text=True, timeout=120, check=True)
+        return found.stdout.strip()
 
-        py = sys.executable
+    def _env(self) -> dict[str, str]:
+        py = self.python
         bin_dir = os.path.dirname(py)
-        return dict(os.environ, SPARK_HOME=os.path.dirname(pyspark.__file__), PYSPARK_PYTHON=py,
-                    PYSPARK_DRIVER_PYTHON=py, PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""))
+        env = dict(os.environ, SPARK_HOME=self._pyspark_home(), PYSPARK_PYTHON=py, PYSPARK_DRIVER_PYTHON=py,
+                   PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""))
+        env.pop("PYTHONPATH", None)  # the pipeline imports what the interpreter has installed, nothing else
+        return env
 
     def start(self, *args: str) -> None:
         """``spark-pipelines run [args]`` in the background (its output to a file in the base)."""
-        import pyspark
-
         assert self.proc is None, "an update is already running"
-        script = os.path.join(os.path.dirname(pyspark.__file__), "bin", "spark-pipelines")
+        env = self._env()
+        script = os.path.join(env["SPARK_HOME"], "bin", "spark-pipelines")
         self._out = os.path.join(self.base, f"update-{time.monotonic_ns()}.log")
         self._t0 = time.monotonic()
         with open(self._out, "w") as out:
             self.proc = subprocess.Popen([script, *CATALOG, "run", "--spec", self.spec, *args], cwd=self.base,
-                                         env=self._env(), stdout=out, stderr=subprocess.STDOUT,
+                                         env=env, stdout=out, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
 
     def output(self) -> str:
