@@ -11,7 +11,8 @@ same backlog; records/s from the query's start, CPU seconds per million records 
 agent's memory, sampled every 50 ms from /proc: anonymous (median and peak: what the budget bounds) and
 file-backed (mapped batches: the kernel may drop those pages). Prints a table and the ratios, writes results.json.
 The embedded broker keeps about 5 MB a partition: keep records x value bytes under 40 MB there.
-Not part of the test run.
+Not part of the test run. It must never keep the first round (it warms the session up), nor read the
+memory of a process that is not an agent.
 """
 from __future__ import annotations
 
@@ -21,16 +22,13 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+from bench_common import add_kafka_arguments, backlog, cluster, local_session, parse_args, rounded, write_json
+from bench_cpu import Sampler, side_cpu_per_m
+from bench_runs import share_run
 
-from benchmark import add_kafka_arguments, cluster, local_session, parse_args, share_run  # noqa: E402
-from read_modes import backlog, side_cpu_per_m  # noqa: E402
-
-from harness.support import agent_processes  # noqa: E402
+from harness.support import agent_processes
 
 BUDGETS = (("default (256 MiB)", None), ("0: every batch mapped", 0))
 HOLD_S = 2.0  # the sink's time per batch (a slow sink): the agent holds the batch meanwhile
@@ -41,35 +39,27 @@ def slow_sink(df, batch_id) -> None:
     time.sleep(HOLD_S)  # stands for a sink's write, not a wait for something
 
 
-class PeakMemory:
+class PeakMemory(Sampler):
     """The largest RssAnon and RssFile (MiB) of any agent while the ``with`` lasts, and RssAnon's median."""
 
+    interval = 0.05
+
     def __init__(self):
+        super().__init__()
         self.anon = self.file = 0.0
         self.anon_samples: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> PeakMemory:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.05):
-            for p in agent_processes():
-                try:
-                    with open(f"/proc/{p.pid}/status") as f:
-                        fields = dict(line.split(":", 1) for line in f if ":" in line)
-                except OSError:
-                    continue
-                anon = int(fields.get("RssAnon", "0 kB").split()[0]) / 1024
-                self.anon_samples.append(anon)
-                self.anon = max(self.anon, anon)
-                self.file = max(self.file, int(fields.get("RssFile", "0 kB").split()[0]) / 1024)
+    def sample(self) -> None:
+        for p in agent_processes():
+            try:
+                with open(f"/proc/{p.pid}/status") as f:
+                    fields = dict(line.split(":", 1) for line in f if ":" in line)
+            except OSError:
+                continue
+            anon = int(fields.get("RssAnon", "0 kB").split()[0]) / 1024
+            self.anon_samples.append(anon)
+            self.anon = max(self.anon, anon)
+            self.file = max(self.file, int(fields.get("RssFile", "0 kB").split()[0]) / 1024)
 
 
 def main(argv=None) -> int:
@@ -98,13 +88,12 @@ def main(argv=None) -> int:
                    "agent_cpu_per_m": side_cpu_per_m(r["cpu_by_process"], ("agent",), r["records"]),
                    "peak_anon_mib": peak.anon, "median_anon_mib": statistics.median(peak.anon_samples or [0.0]),
                    "peak_file_mib": peak.file}
-            print(("warm-up " if i == 0 else "") + json.dumps({k: round(v, 1) if isinstance(v, float) else v
-                                                               for k, v in row.items()}), flush=True)
+            print(("warm-up " if i == 0 else "") + json.dumps(rounded(row, 1)), flush=True)
             if i:
                 runs.append(row)
     spark.stop()
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"records": args.records, "value_bytes": args.value_bytes, "runs": runs}, f, indent=1)
+    write_json(os.path.join(args.out, "results.json"),
+               {"records": args.records, "value_bytes": args.value_bytes, "runs": runs})
     print(table(runs, args))
     return 0
 

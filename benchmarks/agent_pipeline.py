@@ -9,7 +9,8 @@ broker runs in a process of its own (``spark-share broker``) and each measuremen
 process, alternating, so the CPU counted is the consumers' alone. Prints CPU seconds per million
 records, medians, in all and by phase: each phase's CPU is counted on the thread that ran it
 (``time.thread_time``); "elsewhere" is the rest of the process (librdkafka's threads, the hand-offs
-between threads). Not part of the test run.
+between threads). Not part of the test run. It must never measure in the process that runs the broker
+or the other reader: each measurement's CPU is its process's alone.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ import threading
 import time
 from collections import Counter
 from contextlib import contextmanager
+
+from bench_common import produce
 
 PARTITIONS = 2 * 8
 
@@ -153,17 +156,6 @@ def _timed(run, consumers: int) -> float:
     return _cpu() - cpu
 
 
-def _produce(bootstrap: str, topic: str, n: int) -> None:
-    from confluent_kafka import Producer
-
-    from spark_share.job.workload import produce_waiting
-
-    p = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5, "batch.num.messages": 10000})
-    for i in range(n):
-        produce_waiting(p, topic, key=str(i).encode(), value=b"x" * 100, partition=i % PARTITIONS)
-    p.flush(60)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--records", type=int, default=200_000)
@@ -186,7 +178,7 @@ def main(argv=None) -> int:
     try:
         bootstrap = _bootstrap_of(broker)
         for t in topics:
-            _produce(bootstrap, t, args.records)
+            produce({"bootstrap.servers": bootstrap}, t, args.records, PARTITIONS)
         out: dict[str, list[dict]] = {"raw": [], "agent": []}
         for i, t in enumerate(topics):
             kind = "raw" if i % 2 == 0 else "agent"

@@ -3,7 +3,8 @@
 The benchmark runs it beside kafka-share with the same batch sizes, tasks per batch and row shape:
 what it costs (wall time, CPU of Spark's Python workers and runner, the JVM) is what Spark's Python
 Data Source API costs before a source does any work. Spark's Python processes find it on
-PYTHONPATH (the benchmark sets it); not part of the package.
+PYTHONPATH (bench_common.local_session sets it); not part of the package. It must never do work per
+row or per batch: each task's batch is built once per size and yielded again.
 """
 from __future__ import annotations
 

@@ -9,7 +9,10 @@ Needs root and socat, as the cluster tests. Prints a table and writes results.js
 figures say what the multi-host path costs next to the raw loop, not how a real cluster scales.
 Not part of the test run.
 
-The same file is the driver program (``driver``) and the raw loop (``raw``) that run on the hosts.
+The same file is the driver program (``driver``) and the raw loop (``raw``) that run on the hosts. The
+driver role is the user's program on the driver host: it must never import the benchmarks' helpers or
+measure anything there beyond its own query's progress (the helpers are imported where they are used,
+on this side only).
 """
 from __future__ import annotations
 
@@ -95,17 +98,16 @@ def _result(proc, timeout: float) -> dict:
 
 def _steady(progress: list[dict]) -> tuple[int, float]:
     """(records, seconds) after the first batch with rows, from the progress events' own clocks."""
-    from benchmark import _batch_end
+    from bench_runs import batch_end
 
     full = [p for p in progress if p["numInputRows"]]
     if len(full) < 2:
         return 0, 0.0
-    return sum(p["numInputRows"] for p in full[1:]), _batch_end(full[-1]) - _batch_end(full[0])
+    return sum(p["numInputRows"] for p in full[1:]), batch_end(full[-1]) - batch_end(full[0])
 
 
 def measure(hosts: int, args) -> dict:
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from confluent_kafka import Producer
+    from bench_common import produce, rounded
 
     from harness.spark_hosts import NamespaceCluster
     from spark_share.embedded import EmbeddedKafka
@@ -116,13 +118,9 @@ def measure(hosts: int, args) -> dict:
         try:
             c.start()
             c.forward(kafka.bootstrap_servers)
-            p = Producer({"bootstrap.servers": kafka.bootstrap_servers, "linger.ms": 50, "batch.num.messages": 10000})
             for name in ("raw", "share"):
-                kafka.create_topic(name, args.partitions)
-                for i in range(args.records):
-                    p.produce(name, key=str(i).encode(), value=b"x" * 100, partition=i % args.partitions)
-                    p.poll(0)
-            p.flush(60)
+                produce({"bootstrap.servers": kafka.bootstrap_servers}, kafka.create_topic(name, args.partitions),
+                        args.records, args.partitions)
             env = {"PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]), "PYSPARK_PYTHON": sys.executable}  # the source runner imports pyarrow
             cfg = {"bootstrap": kafka.bootstrap_servers, "group": f"raw-{uuid.uuid4().hex[:6]}", "topic": "raw"}
             raws = [c.spawn(f"w{i}", [sys.executable, "-c", RAW, json.dumps(cfg)], env=env, log_name=f"raw-w{i}.log")
@@ -147,7 +145,7 @@ def measure(hosts: int, args) -> dict:
                        batches=len([p for p in res["progress"] if p["numInputRows"]]))
         finally:
             c.stop()
-    print("hosts", json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    print("hosts", json.dumps(rounded(row, 1)), flush=True)
     return row
 
 
@@ -165,11 +163,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.role == "driver":
         return driver(args)
-    sys.path.insert(0, ROOT)
     os.makedirs(args.out, exist_ok=True)
     rows = [measure(int(h), args) for h in args.hosts.split(",")]
-    with open(os.path.join(args.out, "cluster-results.json"), "w") as f:
-        json.dump({"records": args.records, "partitions": args.partitions, "rows": rows}, f, indent=2)
+    from bench_common import write_json
+
+    write_json(os.path.join(args.out, "cluster-results.json"),
+               {"records": args.records, "partitions": args.partitions, "rows": rows}, indent=2)
     print("\n| worker hosts | kafka-share, records/s (from query start) | kafka-share, after the first batch | "
           "raw loop, one consumer per host | ratio (after the first batch) |")
     print("|---|---|---|---|---|")

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/read_modes.py --records 200000 --ceiling-records 30000,3000 --out out   # embedded
     .venv/bin/python benchmarks/read_modes.py --bootstrap-servers broker:9092 [--kafka-option K=V ...]   # your cluster
+    .venv/bin/python benchmarks/read_modes.py --chart-from A.json [B.json ...] [--chart-title T] --out DIR   # chart only
 
 The embedded broker keeps about 5 MB a partition and drops older records: 1M records of 100 B on 8 partitions
 (the default, for a real Kafka) would lose some there, and a run would wait for them forever.
@@ -12,9 +13,12 @@ AvailableNow query (local[2], noop sink, the source's default read tasks) in eac
 same shape: records/s from the query's start and after its first batch, and CPU seconds per million records
 on the driver side (the source runner: with readMode=driver the consumers live there) and on the executor
 side (Python workers, and with readMode=executors the agent). Then readMode=driver's ceiling through the
-driver: records/s and MB/s at 1 KB and 10 KB values. Prints a table and the ratios, writes results.json.
+driver: records/s and MB/s at 1 KB and 10 KB values. Prints a table and the ratios, writes results.json and
+read-modes.png (bench_charts.py); ``--chart-from`` draws read-modes.png from results files already written
+(several: their runs merged by lock setting) and measures nothing.
 Absolute numbers vary from run to run on a shared 2-core machine; the ratios of one run are what to compare.
-Not part of the test run.
+Not part of the test run. It must never put the runs of two brokers in one chart or ratio unless told to
+(``--chart-from`` with files of one broker), nor run a mode on a backlog another run has read.
 """
 from __future__ import annotations
 
@@ -24,47 +28,22 @@ import os
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-from benchmark import (  # noqa: E402  (also puts the repository on the path)
-    BROKER,
+from bench_charts import read_modes_chart
+from bench_common import (
     add_kafka_arguments,
+    backlog,
     cluster,
+    comma_ints,
     local_session,
     parse_args,
-    raw_loop,
-    share_run,
+    rounded,
+    write_json,
 )
+from bench_cpu import BROKER, side_cpu_per_m
+from bench_runs import raw_loop, share_run
 
 DRIVER_SIDE = ("runner",)
 EXECUTOR_SIDE = ("python workers", "agent")
-
-
-def produce(kafka, topic: str, n: int, partitions: int, value_bytes: int) -> None:
-    from confluent_kafka import Producer
-
-    from spark_share.job.workload import produce_waiting
-
-    p = Producer({**kafka.client(), "linger.ms": 5, "batch.num.messages": 10000})
-    payload = b"x" * value_bytes
-    for i in range(n):
-        produce_waiting(p, topic, key=str(i).encode(), value=payload, partition=i % partitions)
-    p.flush(120)
-
-
-def backlog(kafka, partitions: int, n: int, value_bytes: int, locks: int) -> str:
-    from spark_share.embedded import EmbeddedKafka
-
-    if isinstance(kafka, EmbeddedKafka):
-        kafka.set_max_record_locks(locks)
-    topic = kafka.create_topic("t", partitions)
-    produce(kafka, topic, n, partitions, value_bytes)
-    return topic
-
-
-def side_cpu_per_m(cpu: dict, kinds: tuple[str, ...], records: int) -> float:
-    return sum(v for k, v in cpu.items() if k in kinds) / max(records, 1) * 1e6
 
 
 def mode_run(spark, args, mode: str, locks: int, n: int, value_bytes: int, tmp: str) -> dict:
@@ -91,8 +70,20 @@ def main(argv=None) -> int:
                     help="records of the 1 KB and the 10 KB ceiling runs (readMode=driver); the embedded broker keeps "
                     "about 5 MB a partition (older records are dropped): 30000,3000 there")
     ap.add_argument("--out", default="read-modes-out")
+    ap.add_argument("--chart-from", nargs="+", metavar="RESULTS_JSON",
+                    help="measure nothing: draw read-modes.png in --out from these results files")
+    ap.add_argument("--chart-title", help="what the chart's title says ran (default: from the files)")
     add_kafka_arguments(ap)
     args = parse_args(ap, argv)
+    chart = os.path.join(args.out, "read-modes.png")
+    if args.chart_from:
+        results = []
+        for path in args.chart_from:
+            with open(path) as f:
+                results.append(json.load(f))
+        if read_modes_chart(results, chart, args.chart_title):
+            print(f"wrote {chart}")
+        return 0
     spark = local_session()
     tmp = tempfile.mkdtemp(prefix="bench-modes-")
     results: dict = {"records": args.records, "partitions": args.partitions, "value_bytes": args.value_bytes,
@@ -100,7 +91,7 @@ def main(argv=None) -> int:
     # Warm-up, not measured: the session's first query pays JIT compilation and Python workers' start.
     for mode in ("executors", "driver"):
         mode_run(spark, args, mode, 2000, 20_000, args.value_bytes, tmp)
-    for locks in (int(x) for x in args.locks.split(",")):
+    for locks in comma_ints(args.locks):
         with cluster(args) as kafka:
             raw = raw_loop(kafka, backlog(kafka, args.partitions, args.records, args.value_bytes, locks),
                            args.partitions, args.records)
@@ -111,23 +102,23 @@ def main(argv=None) -> int:
         save(results, args.out)
         for mode in ("executors", "driver"):
             row = mode_run(spark, args, mode, locks, args.records, args.value_bytes, tmp)
-            print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+            print(json.dumps(rounded(row, 1)), flush=True)
             results["runs"].append(row)
             save(results, args.out)
-    for value_bytes, n in zip((1000, 10_000), (int(x) for x in args.ceiling_records.split(",") if x)):
+    for value_bytes, n in zip((1000, 10_000), comma_ints(args.ceiling_records)):
         row = mode_run(spark, args, "driver", 10_000, n, value_bytes, tmp)
-        print("ceiling", json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        print("ceiling", json.dumps(rounded(row, 1)), flush=True)
         results["ceiling"].append(row)
         save(results, args.out)
     spark.stop()
     print(table(results))
+    read_modes_chart([results], chart, args.chart_title)
     return 0
 
 
 def save(results: dict, out: str) -> None:
     """results.json after every run: a run that fails later keeps what was measured."""
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    write_json(os.path.join(out, "results.json"), results)
 
 
 def table(results: dict) -> str:

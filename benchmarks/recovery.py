@@ -19,13 +19,13 @@ Prints, per state: records/s of each (from its first record: kafka-share from it
 rows, the group join aside), kafka-share's ratio to the raw loops, how long the first newer record came
 after the first record, batches and records per batch, and the delivery counts seen.
 Writes results.json to ``--out``. The drain runs under a ``--lock-ms`` record lock (the states are built
-under a 2 s one). Not part of the test run.
+under a 2 s one). Not part of the test run. It must never drain two readers from one group's state (each
+has a group of its own, built the same way), nor rate kafka-share from its query's start (the group join
+is not the drain).
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
 import statistics
 import sys
@@ -33,29 +33,18 @@ import tempfile
 import time
 import uuid
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # the repository, and the test harness
+from bench_common import local_session, parse_args, real_cluster, write_json
+from bench_runs import share_stream
 
-from harness.kafka_cluster import ExternalCluster, add_cluster_arguments, cluster_options  # noqa: E402
-from harness.kafka_kit import KitCluster  # noqa: E402
-from harness.throttle import HOW, bring_past_throttle, producer_offsets, raw_drain  # noqa: E402
+from harness.kafka_cluster import add_cluster_arguments
+from harness.throttle import HOW, bring_past_throttle, producer_offsets, raw_drain
 
 STATE_LOCK_MS = 2000
 
 
-@contextlib.contextmanager
-def cluster(args):
-    if args.bootstrap_servers:
-        with ExternalCluster(args.bootstrap_servers, args.kafka_options, prefix="spark-share-recovery") as kafka:
-            yield kafka
-        return
-    with KitCluster(args.kafka_start, props={"group.share.min.record.lock.duration.ms": "1000"}, heap="1G") as kit:
-        with ExternalCluster(kit.bootstrap_servers, {}, prefix="spark-share-recovery") as kafka:
-            yield kafka
-
-
 def share_drain(spark, kafka, topic: str, group: str, slots: int, newer: set, tmp: str) -> dict:
-    """kafka-share drains the state: rate over the records there, and when the first newer one came."""
+    """kafka-share drains the state of the group named ``group`` (a name ``kafka.group`` maps): rate over
+    the records there, and when the first newer one came."""
     import spark_share
 
     seen: list[tuple[float, list]] = []
@@ -66,10 +55,7 @@ def share_drain(spark, kafka, topic: str, group: str, slots: int, newer: set, tm
         if rows:
             seen.append((time.monotonic(), rows))
 
-    r = spark.readStream.format("kafka-share").option("kafka.group.id", group).option("subscribe", topic)
-    for k, v in kafka.client().items():
-        r = r.option("kafka." + k, v)
-    r = r.option("numPartitions", str(slots)).option("readMode", "executors")  # as its figures were measured
+    r = share_stream(spark, kafka, topic, group=group, numPartitions=slots)  # readMode=executors, as measured
     started = time.monotonic()
     q = spark_share.drain(r.load().writeStream.foreachBatch(collect)
                           .option("checkpointLocation", os.path.join(tmp, uuid.uuid4().hex)))
@@ -94,7 +80,8 @@ def one_state(spark, kafka, args, how: str, tmp: str) -> dict:
     topic = kafka.create_topic(f"t-{uuid.uuid4().hex[:6]}", args.partitions)
     producer_offsets(client, topic, args.records, args.partitions)
     kafka.set_record_lock_duration(STATE_LOCK_MS)
-    groups = {name: kafka.group(f"{name}-{uuid.uuid4().hex[:6]}") for name in ("raw1", "rawN", "share")}
+    names = {name: f"{name}-{uuid.uuid4().hex[:6]}" for name in ("raw1", "rawN", "share")}
+    groups = {name: kafka.group(n) for name, n in names.items()}  # kafka.group(n) later: the same id
     built = {name: bring_past_throttle(client, g, topic, args.records, how, args.deliveries, STATE_LOCK_MS / 1000)
              for name, g in groups.items()}
     newer = set(producer_offsets(client, topic, args.newer, args.partitions))
@@ -103,7 +90,7 @@ def one_state(spark, kafka, args, how: str, tmp: str) -> dict:
     out = {"how": how, "built": built, "lock_ms": args.lock_ms}
     out["raw1"] = raw_drain(client, groups["raw1"], topic, total, 1, args.timeout, newer)
     out["rawN"] = raw_drain(client, groups["rawN"], topic, total, args.slots, args.timeout, newer)
-    out["share"] = share_drain(spark, kafka, topic, groups["share"], args.slots, newer, tmp)
+    out["share"] = share_drain(spark, kafka, topic, names["share"], args.slots, newer, tmp)
     return out
 
 
@@ -143,31 +130,20 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=900.0, help="per raw drain")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--out", default="bench-out/recovery")
-    args = ap.parse_args(argv)
-    args.kafka_options = cluster_options(ap, args)
-    os.makedirs(args.out, exist_ok=True)
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    from pyspark.sql import SparkSession
-
-    import spark_share
-
-    spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
-             .config("spark.ui.showConsoleProgress", "false").getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
-    spark_share.register(spark)
+    args = parse_args(ap, argv)
+    spark = local_session()
     tmp = tempfile.mkdtemp(prefix="bench-recovery-")
     results = {"records": args.records, "deliveries": args.deliveries, "newer": args.newer,
                "partitions": args.partitions, "slots": args.slots,
                "states": {}}
     try:
-        with cluster(args) as kafka:
+        with real_cluster(args, {"group.share.min.record.lock.duration.ms": "1000"}, "spark-share-recovery") as kafka:
             for _ in range(args.rounds):
                 for how in args.how.split(","):
                     results["states"].setdefault(how, []).append(one_state(spark, kafka, args, how, tmp))
     finally:
         spark.stop()
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    write_json(os.path.join(args.out, "results.json"), results)
     report(results)
     return 0
 

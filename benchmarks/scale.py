@@ -31,7 +31,9 @@ Per size, per batch (the first batches, while connections and caches warm up, ar
   after, and the verdicts every agent received (each only those on records it holds).
 
 Writes ``results.json`` and ``scale.md`` (the table of docs/performance.md) to ``--out``. Not part of the
-test run; the sizes' small versions are in tests/integration/test_scale_sim.py.
+test run; the sizes' small versions are in tests/integration/test_scale_sim.py. It runs no Spark and no
+broker, and must never time the simulated agents' side as the tracker's: "tracker adds" is the tracker's
+answer time, the round trips are shown apart.
 """
 from __future__ import annotations
 
@@ -73,18 +75,19 @@ def summarize(r: scale_sim.SimResult, agents: int, slots: int, placement: str) -
     adds = [b["latestOffsetMs"] + b["partitionsMs"] + b["claimServedP50Ms"] + b["acquiredServedP50Ms"] for b in rows]
     rss = [b["rssMb"] for b in rows]
     blocks = [b["pyBlocks"] for b in rows]
+
+    def median(key: str) -> float:  # of the batches after the warm-up
+        return round(statistics.median(b[key] for b in rows), 1)
+
     return {"agents": agents, "slotsPerAgent": slots, "slots": agents * slots, "batches": len(r.batches),
             "placement": placement,
             "trackerAddsMsMedian": round(statistics.median(adds), 1),
             "trackerAddsMsP95": round(sorted(adds)[int(0.95 * (len(adds) - 1))], 1),
-            "latestOffsetMsMedian": round(statistics.median(b["latestOffsetMs"] for b in rows), 1),
-            "partitionsMsMedian": round(statistics.median(b["partitionsMs"] for b in rows), 1),
-            "claimServedMsMedian": round(statistics.median(b["claimServedP50Ms"] for b in rows), 1),
-            "acquiredServedMsMedian": round(statistics.median(b["acquiredServedP50Ms"] for b in rows), 1),
-            "claimServedMaxMsMedian": round(statistics.median(b["claimServedMaxMs"] for b in rows), 1),
-            "claimRttMsMedian": round(statistics.median(b["claimP50Ms"] for b in rows), 1),
-            "acquiredRttMsMedian": round(statistics.median(b["acquiredP50Ms"] for b in rows), 1),
-            "trackerCpuMsPerBatch": round(statistics.median(b["cpuMs"] for b in rows), 1),
+            "latestOffsetMsMedian": median("latestOffsetMs"), "partitionsMsMedian": median("partitionsMs"),
+            "claimServedMsMedian": median("claimServedP50Ms"), "acquiredServedMsMedian": median("acquiredServedP50Ms"),
+            "claimServedMaxMsMedian": median("claimServedMaxMs"),
+            "claimRttMsMedian": median("claimP50Ms"), "acquiredRttMsMedian": median("acquiredP50Ms"),
+            "trackerCpuMsPerBatch": median("cpuMs"),
             "threadsMax": max(b["threads"] for b in r.batches),
             "rssMbStart": rss[0], "rssMbEnd": rss[-1], "rssMbPer100Batches": round(_slope(rss) * 100, 2),
             # The Python heap in blocks, over the second half of the run: a leak of objects grows it batch

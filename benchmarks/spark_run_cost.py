@@ -6,7 +6,8 @@ Starts and stops a foreachBatch query on the given source ``--runs`` times in on
 and prints the JVM's open descriptors by kind after each run. ``floor`` is a Python streaming data
 source that does no work (benchmarks/bench_floor.py), ``rate`` Spark's own; ``kafka-share`` reads a topic
 of the embedded broker. The chaos verdict (tests/harness/resources.py, PER_QUERY_RUN) takes what the floor
-source keeps per run off the JVM's counts.
+source keeps per run off the JVM's counts. It must never count the first run (the JVM opens what it keeps
+for the session then), only the growth per run after it.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import os
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench_common import local_session
 
 
 def jvm_fds(pid: int) -> dict[str, int]:
@@ -35,20 +36,11 @@ def main(argv=None) -> int:
     ap.add_argument("source", choices=["floor", "rate", "kafka-share"])
     ap.add_argument("--runs", type=int, default=9)
     args = ap.parse_args(argv)
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "benchmarks"), ROOT])  # workers import both
-    sys.path[:0] = [os.path.join(ROOT, "benchmarks"), ROOT]
     import psutil
-    from bench_floor import FloorSource
-    from pyspark.sql import SparkSession
 
-    import spark_share
     from spark_share.embedded import EmbeddedKafka
 
-    spark = SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false").getOrCreate()
-    spark.sparkContext.setLogLevel("ERROR")
-    spark_share.register(spark)
-    spark.dataSource.register(FloorSource)
+    spark = local_session(floor=True)
     jvm = next(p for p in psutil.Process().children(recursive=True) if "java" in p.name())
     ckpt = tempfile.mkdtemp(prefix="spark-run-cost-")
     with EmbeddedKafka() as kafka:

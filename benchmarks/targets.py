@@ -22,12 +22,13 @@ partitions, read by a fresh share group per run (share heartbeat 1 s, set per gr
   only those drains at about two records a batch; docs/performance.md).
 
 Prints the targets' table and writes results.json and targets.png (throughput against batch size,
-with the bounds) to ``--out``. Not part of the test run.
+with the bounds; bench_charts.py draws it) to ``--out``. Not part of the test run. It must never put
+figures of two brokers (lock settings) in one ratio, nor leave anything behind: the brokers it starts
+are removed, and on a cluster of yours the topics and groups it made are deleted.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -36,46 +37,20 @@ import tempfile
 import time
 import uuid
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import benchmark as bench  # noqa: E402  (puts the repository and tests/ on the path)
+from bench_charts import targets_chart
+from bench_common import backlog, comma_ints, comma_set, local_session, med, parse_args, real_cluster, write_json
+from bench_cpu import cpu_seconds
+from bench_runs import first_rows, floor_run, raw_loop, share_run, warm_up
 
-from harness.kafka_cluster import ExternalCluster, add_cluster_arguments, cluster_options  # noqa: E402
-from harness.kafka_kit import KitCluster  # noqa: E402
+from harness.kafka_cluster import add_cluster_arguments
 
 LOCKS_PROP = "group.share.partition.max.record.locks"
 SHORT_LOCK_MS = 2000
 
 
-def backlog(kafka, partitions: int, n: int) -> str:
-    """A new topic of ``partitions`` partitions holding ``n`` records of 100 bytes."""
-    topic = kafka.create_topic(f"t-{uuid.uuid4().hex[:6]}", partitions)
-    bench.produce(kafka, topic, n, partitions)
-    return topic
-
-
-@contextlib.contextmanager
-def broker(args, locks: int):
-    """The cluster to run on: a broker of the kit with ``locks`` record locks, or yours."""
-    if args.bootstrap_servers:
-        with ExternalCluster(args.bootstrap_servers, args.kafka_options, prefix="spark-share-targets") as kafka:
-            yield kafka
-        return
-    with KitCluster(args.kafka_start, props={LOCKS_PROP: str(locks)}, heap="1G") as kit:
-        with ExternalCluster(kit.bootstrap_servers, {}, prefix="spark-share-targets") as kafka:
-            kafka.broker_pids = [n.pid() for n in kit.nodes]
-            yield kafka
-
-
 def broker_cpu(kafka) -> float:
     """CPU seconds the brokers this run started have used so far (0 on a cluster of yours)."""
-    import psutil
-
-    total = 0.0
-    for pid in getattr(kafka, "broker_pids", []):
-        with contextlib.suppress(psutil.Error):
-            t = psutil.Process(pid).cpu_times()
-            total += t.user + t.system
-    return total
+    return cpu_seconds(getattr(kafka, "broker_pids", []))
 
 
 def full_batches(run: dict) -> list[dict]:
@@ -101,7 +76,7 @@ def throughput(spark, kafka, args, locks: int, tmp: str, cores: int) -> dict:
 
     kafka.set_heartbeat_interval(1000)
     topic = backlog(kafka, args.partitions, args.records)
-    bench.raw_loop(kafka, topic, 2, args.records)  # not measured: the first group to read a new topic is slower
+    raw_loop(kafka, topic, 2, args.records)  # not measured: the first group to read a new topic is slower
     budget = args.partitions * locks
     default = default_slots(args.partitions, str(cores))
     out = {"locks": locks, "budget": budget, "default_slots": default, "rounds": []}
@@ -113,10 +88,10 @@ def throughput(spark, kafka, args, locks: int, tmp: str, cores: int) -> dict:
         for slots in order if rnd % 2 == 0 else order[::-1]:
             cpu0 = broker_cpu(kafka)
             if slots == "raw":
-                raw = bench.raw_loop(kafka, topic, 2, args.records)
+                raw = raw_loop(kafka, topic, 2, args.records)
                 raw["broker_cpu_per_m"] = (broker_cpu(kafka) - cpu0) / args.records * 1e6
                 continue
-            run = bench.share_run(spark, kafka, topic, slots, args.records, tmp)
+            run = share_run(spark, kafka, topic, slots, args.records, tmp)
             run["broker_cpu_per_m"] = (broker_cpu(kafka) - cpu0) / args.records * 1e6
             run.update(in_flight(run, budget))
             runs["default" if slots is None else str(slots)] = run
@@ -127,8 +102,8 @@ def throughput(spark, kafka, args, locks: int, tmp: str, cores: int) -> dict:
                   flush=True)
         ours = runs["default"]
         steady = [b for b in ours["phases"][1:] if b["rows"]]
-        floor = bench.floor_run(spark, max(1, len(steady)), default,
-                                max(1, int(statistics.mean(b["rows"] for b in steady) / default)) if steady else 1, tmp)
+        floor = floor_run(spark, max(1, len(steady)), default,
+                          max(1, int(statistics.mean(b["rows"] for b in steady) / default)) if steady else 1, tmp)
         out["rounds"].append({"raw": raw, "runs": runs, "floor": floor})
         print(f"locks {locks} round {rnd + 1}: raw loop {args.records / raw['process_seconds']:,.0f}/s from its "
               f"process start; Spark's floor {floor['steady_rps']:,.0f}/s after the first batch", flush=True)
@@ -159,17 +134,10 @@ def startup(spark, kafka, tmp: str, runs: int) -> dict:
         joins = [group_join_s(kafka, topic) for _ in range(runs)]
         firsts = []
         for _ in range(runs):
-            seen: dict[str, float] = {}
-
-            def first_rows(df, _batch_id, seen=seen):
-                if "rows" not in seen and df.count():
-                    seen["rows"] = time.perf_counter()
-
-            t0 = time.perf_counter()
-            q = (bench.share_stream(spark, kafka, topic).load().writeStream.foreachBatch(first_rows)
-                 .option("checkpointLocation", os.path.join(tmp, uuid.uuid4().hex)).trigger(availableNow=True).start())
-            q.awaitTermination(300)
-            firsts.append(seen["rows"] - t0)
+            first, _end = first_rows(spark, kafka, topic, tmp)
+            if first is None:
+                raise RuntimeError("no rows within 300 s of the query's start")
+            firsts.append(first)
         out[str(heartbeat)] = {"join_s": joins, "first_rows_s": firsts}
         print(f"start-up, heartbeat {heartbeat} ms: group join {[round(x, 2) for x in joins]} s, query start -> "
               f"first rows {[round(x, 2) for x in firsts]} s", flush=True)
@@ -188,7 +156,7 @@ def short_lock(spark, kafka, args, tmp: str) -> dict:
             stalls.append(1)
             time.sleep(1.5 * SHORT_LOCK_MS / 1000.0)
 
-    run = bench.share_run(spark, kafka, topic, None, args.records, tmp, sink=sink)
+    run = share_run(spark, kafka, topic, None, args.records, tmp, sink=sink)
     series = [{"batch": b["batch"], "rows": b["acquired"], "held_ms": b.get("holdMs"), "expired": b.get("expired", 0)}
               for b in run["tracked"] if b.get("acquired")]
     print("short lock:", json.dumps(series), flush=True)
@@ -207,35 +175,21 @@ def main(argv=None) -> int:
     ap.add_argument("--startup-runs", type=int, default=3)
     ap.add_argument("--skip", default="", help="comma-separated: startup,shortlock")
     ap.add_argument("--out", default="bench-out")
-    args = ap.parse_args(argv)
-    args.kafka_options = cluster_options(ap, args)
-    args.slots = [int(s) for s in args.slots.split(",") if s]
-    lock_settings = [int(x) for x in args.locks.split(",")]
+    args = parse_args(ap, argv)
+    args.slots = comma_ints(args.slots)
+    lock_settings = comma_ints(args.locks)
     if args.bootstrap_servers and len(lock_settings) != 1:
         ap.error("with --bootstrap-servers, --locks is the one value your cluster has")
-    skip = set(filter(None, args.skip.split(",")))
-    os.makedirs(args.out, exist_ok=True)
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.abspath(__file__)),
-                                                              os.environ.get("PYTHONPATH")]))
-    from bench_floor import FloorSource
-    from pyspark.sql import SparkSession
-
-    import spark_share
-
-    spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
-             .config("spark.ui.showConsoleProgress", "false").getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
-    spark_share.register(spark)
-    spark.dataSource.register(FloorSource)
+    skip = comma_set(args.skip)
+    spark = local_session(floor=True)
     cores = spark.sparkContext.defaultParallelism
     tmp = tempfile.mkdtemp(prefix="bench-targets-")
     results = {"records": args.records, "partitions": args.partitions, "cores": cores, "settings": []}
     try:
         for i, locks in enumerate(lock_settings):
-            with broker(args, locks) as kafka:
+            with real_cluster(args, {LOCKS_PROP: str(locks)}, "spark-share-targets") as kafka:
                 if i == 0:  # warm-up, not measured: JIT, Spark's Python planning workers
-                    bench.share_run(spark, kafka, backlog(kafka, 2, 20_000), 2, 20_000, tmp)
+                    warm_up(spark, kafka, 2, tmp)
                     if "startup" not in skip:
                         results["startup"] = startup(spark, kafka, tmp, args.startup_runs)
                 results["settings"].append(throughput(spark, kafka, args, locks, tmp, cores))
@@ -247,10 +201,9 @@ def main(argv=None) -> int:
         for r in s["rounds"]:
             for run in r["runs"].values():
                 run.pop("tracked", None)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    write_json(os.path.join(args.out, "results.json"), results)
     report(results)
-    plot(results, args.out)
+    targets_chart(results, args.out)
     return 0
 
 
@@ -259,11 +212,6 @@ def _spark_phase(phases: list[dict], key: str) -> float:
     rows = [p for p in phases[1:] if p["rows"]]
     top = max((p["rows"] for p in rows), default=0)
     return med(p.get(key) for p in rows if p["rows"] >= 0.5 * top)
-
-
-def med(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else float("nan")
 
 
 def report(results: dict) -> None:
@@ -338,36 +286,6 @@ def report(results: dict) -> None:
               + f"; after them {sum(b['expired'] for b in after)} | batch sizes after the expiry, as they grow back: "
               + ", ".join(f"{rows:,} (batch {batch})" for batch, rows in steps)
               + f" | read {sl['records']:,} of {n:,} (the expired ones again) | no expiry after the shrink; grows back |")
-
-
-def plot(results: dict, out: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib not installed: no plot; pip install 'spark-share[bench]')")
-        return
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for s in results["settings"]:
-        for key in s["rounds"][0]["runs"]:
-            pts = [(r["runs"][key]["mean_batch"], r["runs"][key]["steady_records"] / r["runs"][key]["steady_seconds"])
-                   for r in s["rounds"]]
-            label = f"{s['locks']:,} locks, numPartitions {'unset' if key == 'default' else key}"
-            ax.plot(*zip(*pts), "o", label=label)
-        fl = [(r["runs"]["default"]["mean_batch"], r["floor"]["steady_rps"]) for r in s["rounds"]]
-        ax.plot(*zip(*fl), "k^", label=f"Spark's floor, same batches ({s['locks']:,} locks)")
-        bounds = [(r["runs"]["default"]["mean_batch"], r["runs"]["default"]["bound_rps"]) for r in s["rounds"]
-                  if "bound_rps" in r["runs"]["default"]]
-        if bounds:
-            ax.plot(*zip(*bounds), "r_", markersize=25, label=f"lock-budget bound ({s['locks']:,} locks)")
-    ax.set_xscale("log")
-    ax.set_xlabel("records per batch")
-    ax.set_ylabel("records/s after the first batch")
-    ax.set_title("Throughput against batch size, real Kafka 4.2")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "targets.png"))
 
 
 if __name__ == "__main__":

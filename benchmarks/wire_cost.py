@@ -11,7 +11,8 @@ channels take turns over a few rounds, so a busy machine's drift hits both alike
 and its ratio to the old channel.
 
 The old channel is transport/wire.py and tls.py as of ``BASELINE`` (``git show``, loaded from temporary
-copies), so this runs in a git checkout of spark-share.
+copies), so this runs in a git checkout of spark-share. It must never write into the package: the old
+files live only in temporary copies, removed once loaded.
 
     python benchmarks/wire_cost.py [--calls 3000] [--mb 128] [--rounds 3] [--peers 200]
 """
