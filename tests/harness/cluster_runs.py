@@ -69,6 +69,15 @@ def written(shared: str) -> list[dict]:
     return rows
 
 
+def idempotent_view(rows: list[dict]) -> list[dict]:
+    """What a sink that writes each batch id once (Delta's txnVersion, a foreachBatch that skips a batch id it
+    has) would hold of these rows: each batch id's rows from the first run that wrote it."""
+    first = {}
+    for r in rows:
+        first[r["batch"]] = min(first.get(r["batch"], r["run"]), r["run"])
+    return [r for r in rows if r["run"] == first[r["batch"]]]
+
+
 def batches(shared: str) -> list[dict]:
     """The batches the driver program has seen so far (it appends one line per batch)."""
     try:

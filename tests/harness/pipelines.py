@@ -48,11 +48,22 @@ class OrdersPipeline:
     """The example pipeline in ``base`` (a test's directory), reading ``topic`` as share group ``group``."""
 
     def __init__(self, base: str, bootstrap: str, group: str, topic: str, max_delivery_count: int = 4,
-                 configuration: dict[str, str] | None = None, python: str = sys.executable):
-        """``python``: the interpreter whose PySpark and spark-share run the pipeline (a venv's)."""
+                 configuration: dict[str, str] | None = None, python: str = sys.executable,
+                 register_call: bool = False):
+        """``python``: the interpreter whose PySpark and spark-share run the pipeline (a venv's);
+        ``register_call``: the definitions call ``spark_share.register(spark)``, as the docs have users
+        write it everywhere else."""
         self.base, self.group, self.topic, self.python = base, group, topic, python
         self.project = os.path.join(base, "orders_pipeline")
         shutil.copytree(EXAMPLE, self.project, ignore=shutil.ignore_patterns("__pycache__"))
+        if register_call:
+            definitions = os.path.join(self.project, "transformations", "orders.py")
+            with open(definitions) as f:
+                text = f.read()
+            anchor = "conf = spark.conf"
+            assert anchor in text, "the example's definitions changed: put the call after its session"
+            with open(definitions, "w") as f:
+                f.write(text.replace(anchor, "import spark_share\nspark_share.register(spark)\n" + anchor, 1))
         self.spec = os.path.join(self.project, "spark-pipeline.yml")
         with open(self.spec) as f:
             spec = yaml.safe_load(f)

@@ -41,10 +41,8 @@ TEST_TOOLS = ["pytest>=8", "psutil>=5.9", "chispa>=0.10", "nbclient>=0.10", "nbf
 JOB_RUNS = ["integration/test_job.py::test_job_end_to_end_on_the_embedded_broker",
             # The example declarative pipeline, an update killed and run again (Spark >= 4.2; the module
             # skips itself before): its four updates in a row, 2.7 minutes, ran here by hand (docs/deploy.md).
-            "integration/test_pipelines.py::test_an_update_killed_mid_flow_loses_nothing_when_run_again",
-            # spark_share.register(spark) in the definitions: two updates, exit 0 (1.2 minutes)
-            "integration/test_pipelines.py::"
-            "test_register_in_the_definitions_file_keeps_the_static_source_and_the_updates_end_well"]
+            # (its definitions call spark_share.register(spark): the rerun and one more update exit 0)
+            "integration/test_pipelines.py::test_an_update_killed_mid_flow_loses_nothing_when_run_again"]
 CORE = [
     "unit/test_version_check.py",
     "integration/test_spark_versions.py",

@@ -244,3 +244,43 @@ def test_a_lost_driver_host_and_the_job_started_again_elsewhere(namespace_cluste
     print(f"lost driver: its agents gone {gone_after:.1f} s after it froze; the job again on w3 read "
           f"{len([r for r in rows if r['run'] == 1])} rows; {report}")
     assert gone_after <= LOCK_S + 2
+
+
+@pytest.mark.real_only("the embedded broker hands records out again whenever a member joins: a replay's records "
+                       "are not the only ones that come back there, so 0 duplicates cannot be asserted on it")
+def test_a_lost_driver_host_in_driver_mode_the_job_elsewhere_writes_each_batch_id_once(namespace_cluster, kafka):
+    """readMode=driver: the driver host is lost mid-stream (frozen, then killed: nothing closes a connection)
+    with its consumers holding a planned batch. The job, started again on another host from the checkpoint,
+    runs that batch id again with the same records once the group dropped the lost members: a sink that skips
+    a batch id it has gets every record once; an append sink gets that batch twice, nothing else."""
+    kafka.set_record_lock_duration(LOCK_S * 1000)
+    kafka.set_session_timeout(6000)
+    w = Workload(kafka, "lost-driver-host", partitions=3)
+    for _ in range(30):
+        w.produce(100)
+    group = kafka.group(gid())
+    shared = os.path.join(namespace_cluster.shared, f"lost-driver-host-{gid()}")
+    app = cluster_runs.run_app(namespace_cluster, kafka, "stream", w.topic, group, shared, "--partitions", "3",
+                               "--max-per-trigger", "300", "--option", "readMode=driver")
+    wait_until(lambda: len([b for b in cluster_runs.batches(shared) if b["count"]]) >= 2 or app.poll() is not None,
+               timeout=300, interval=0.5, message="the first run did not read")
+    assert app.poll() is None, cluster_runs.tail(app.log_path)
+    # The driver program, its JVM and its consumers frozen mid-stream, and left so while the job runs again
+    # elsewhere: no connection of theirs closes; the broker drops them after the group's session timeout.
+    os.killpg(app.pid, signal.SIGSTOP)
+    try:
+        again = cluster_runs.run_app(namespace_cluster, kafka, "drain", w.topic, group, shared, "--partitions", "3",
+                                     "--run", "1", "--option", "readMode=driver", host="w3")
+        res = cluster_runs.result(again, shared, 600)
+    finally:
+        os.killpg(app.pid, signal.SIGKILL)
+        app.wait(30)
+    assert res["error"] is None, res["error"]
+    rows = cluster_runs.written(shared)
+    once = check_no_loss(w.ids, ids_of(cluster_runs.idempotent_view(rows)))
+    assert once.duplicates == 0, once
+    appended = check_no_loss(w.ids, ids_of(rows), duplicates_reason="the batch the lost driver wrote, run again")
+    replayed = {r["batch"] for r in rows if r["run"] == 1} & {r["batch"] for r in rows if r["run"] == 0}
+    assert appended.duplicates == sum(1 for r in rows if r["run"] == 1 and r["batch"] in replayed), appended
+    print(f"lost driver host, readMode=driver: batch ids run again {sorted(replayed)}; idempotent sink {once}; "
+          f"append sink {appended}")

@@ -333,15 +333,28 @@ def test_bad_verdicts_are_the_classic_errors(remote, kafka, tmp_path):
 
 
 @pytest.mark.both_read_modes
-def test_failure_stop_and_restart_lose_nothing(remote, kafka, tmp_path):
+def _write_once(batch, batch_id, root) -> None:
+    """An idempotent sink, as Delta's txnVersion makes one: ``root/batch_id=N`` written once, a batch id it
+    has skipped (on the server, which shares this host's file system)."""
+    final = os.path.join(root, f"batch_id={batch_id}")
+    if not os.path.exists(final):
+        batch.write.parquet(final + ".tmp")
+        os.rename(final + ".tmp", final)
+
+
+def test_failure_stop_and_restart_lose_nothing(remote, kafka, tmp_path, read_mode):
     """foreachBatch raises after writing its batch (the query fails, the rows come back); a restart
-    from the checkpoint goes on; a stop mid-batch releases what the batch held."""
+    from the checkpoint goes on; a stop mid-batch releases what the batch held. Each batch goes to an
+    append sink and to an idempotent one: with readMode=driver Spark's replays of the failed and the stopped
+    batch carry the same records, so the idempotent sink gets every record once."""
     w = Workload(kafka, "jobs", partitions=2)
     ids = w.produce(300)
     out, marks, group, ck = str(tmp_path / "out"), str(tmp_path / "marks"), kafka.group(gid()), str(tmp_path / "ck")
+    once = str(tmp_path / "once")
 
     def failing(batch, batch_id):
         batch.write.mode("append").parquet(out)
+        _write_once(batch, batch_id, once)
         raise RuntimeError("injected failure after the sink write")
 
     q = (_read(remote, kafka, group, w.topic, maxRecordsPerTrigger=100).writeStream.foreachBatch(failing)
@@ -355,6 +368,7 @@ def test_failure_stop_and_restart_lose_nothing(remote, kafka, tmp_path):
         import time as _time
 
         batch.write.mode("append").parquet(out)
+        _write_once(batch, batch_id, once)
         os.makedirs(marks, exist_ok=True)
         open(os.path.join(marks, f"{batch_id}.json"), "w").write(json.dumps({"batch": batch_id}))
         if batch_id == 2:
@@ -371,12 +385,16 @@ def test_failure_stop_and_restart_lose_nothing(remote, kafka, tmp_path):
     assert stopped["letGoOfBatch"] is not None, f"the stopped run held records at its end: {stopped}"
 
     q = spark_share.drain(_read(remote, kafka, group, w.topic).writeStream
-         .foreachBatch(lambda batch, batch_id: batch.write.mode("append").parquet(out))
+         .foreachBatch(lambda batch, batch_id: (batch.write.mode("append").parquet(out),
+                                                _write_once(batch, batch_id, once)))
          .option("checkpointLocation", ck))
     assert q.awaitTermination(180)
     report = check_no_loss(ids, _parquet_ids(out), duplicates_reason="the failed batch and the stopped one "
                            "were written, then redelivered")
     assert report.duplicates >= len(first), "the failed batch's rows were not delivered again"
+    idempotent = check_no_loss(ids, _parquet_ids(once))
+    if read_mode == "driver":
+        assert idempotent.duplicates == 0, f"a replayed batch carried other records: {idempotent}"
     final = wait_until(lambda: (lambda f: f if f and f["tracker"] != stopped["tracker"] else None)(
         runtime.read_json(runtime.final_counts_path(str(q.id)))), timeout=30, message="the drain left no final counts")
     assert final["waitedForLockedRecords"] is False, \

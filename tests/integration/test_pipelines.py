@@ -65,10 +65,17 @@ def _nothing_left(kafka, group: str, topic: str) -> None:
     assert not left, f"{len(left)} records still queued after the update, e.g. {left[:3]}"
 
 
+# What register() prints where a definitions file calls it: it keeps the static source (a source registered
+# from a pipeline's client fails spark-pipelines run after its run: exit 1, UNKNOWN_RESPONSE).
+REGISTER_KEPT = "spark_share.register: in a pipeline's definitions file"
+
+
 @pytest.fixture
-def pipeline(kafka, tmp_path):
+def pipeline(kafka, tmp_path, request):
+    """The example pipeline; with ``@pytest.mark.register_call``, its definitions call register()."""
     topic = kafka.create_topic(uid("orders"), 4)
-    p = OrdersPipeline(str(tmp_path), kafka.bootstrap_servers, kafka.group(uid("pipeline")), topic)
+    p = OrdersPipeline(str(tmp_path), kafka.bootstrap_servers, kafka.group(uid("pipeline")), topic,
+                       register_call=request.node.get_closest_marker("register_call") is not None)
     try:
         yield p
     finally:
@@ -83,11 +90,13 @@ def _invalid_copied(pipeline, invalid: set[int]) -> set[int]:
     return set(keys)
 
 
+@pytest.mark.register_call  # and every update exits 0
 def test_each_update_drains_the_queue_and_the_next_reads_only_what_arrived_since(kafka, produce, pipeline):
     topic, group = pipeline.topic, pipeline.group
     first = produce(kafka, topic, _orders(range(1, 601), bad_every=15))
     update = pipeline.run()
     assert update.completed(), f"update 1 failed (exit {update.returncode}):\n{update.output[-4000:]}"
+    assert REGISTER_KEPT in update.output, update.output[-3000:]
     orders = pipeline.table("orders")
     assert _set_aside(pipeline) == [], "an update without faults set records aside"
     report = check_no_loss(first, _keys(orders))
@@ -133,34 +142,6 @@ def test_each_update_drains_the_queue_and_the_next_reads_only_what_arrived_since
     print(f"full refresh: produced {len(third)}, the table holds {refreshed.delivered}, {update.took:.0f} s")
 
 
-def test_register_in_the_definitions_file_keeps_the_static_source_and_the_updates_end_well(kafka, produce,
-                                                                                          pipeline):
-    """``spark_share.register(spark)`` where the rest of the docs have users write it: in the definitions.
-    A source registered from a pipeline's client fails ``spark-pipelines run`` after its run (exit 1,
-    UNKNOWN_RESPONSE, PySpark 4.2 and 4.3); register() leaves the static one in place and says so."""
-    definitions = os.path.join(pipeline.project, "transformations", "orders.py")
-    with open(definitions) as f:
-        text = f.read()
-    anchor = "conf = spark.conf"
-    assert anchor in text, "the example's definitions changed: put the call after its session"
-    with open(definitions, "w") as f:
-        f.write(text.replace(anchor, "import spark_share\nspark_share.register(spark)\n" + anchor, 1))
-    topic = pipeline.topic
-    first = produce(kafka, topic, _orders(range(1, 301)))
-    rows = []
-    for n in (1, 2):  # the second update: nothing new queued, nothing new in the table, exit 0 again
-        update = pipeline.run()
-        assert update.completed(), f"update {n} failed (exit {update.returncode}):\n{update.output[-4000:]}"
-        assert "spark_share.register: in a pipeline's definitions file" in update.output, update.output[-3000:]
-        report = check_no_loss(first, _keys(pipeline.table("orders")))
-        rows.append(report.delivered)
-        print(f"update {n} with register() in the definitions: exit 0, the table holds {report.delivered}, "
-              f"{update.took:.0f} s")
-    assert rows[1] == rows[0], f"the second update wrote {rows[1] - rows[0]} rows with nothing queued"
-    assert report.duplicates == 0 or not kafka.external, report
-    _nothing_left(kafka, pipeline.group, topic)
-
-
 def _start_until_reading(pipeline) -> None:
     """Start an update and return once Spark wrote its first batch's offsets: the batch's reads acquire
     from then on (in the read tasks, or with readMode=driver as Spark plans it). A kill before that write
@@ -172,6 +153,7 @@ def _start_until_reading(pipeline) -> None:
     assert pipeline.proc.poll() is None, f"the update ended before its reads began:\n{pipeline.output()[-3000:]}"
 
 
+@pytest.mark.register_call
 def test_an_update_killed_mid_flow_loses_nothing_when_run_again(kafka, produce, pipeline):
     topic = pipeline.topic
     ids = produce(kafka, topic, _orders(range(1, 4001)))
@@ -194,6 +176,13 @@ def test_an_update_killed_mid_flow_loses_nothing_when_run_again(kafka, produce, 
     if kafka.external:  # the embedded broker also redelivers on any client's disconnect (its quirk)
         assert report.duplicates <= killed_rows and not _set_aside(pipeline), report
     print(f"killed update wrote {killed_rows}; after the rerun: {report}")
+
+    # register() in the definitions: the rerun and one more update exit 0; the last reads nothing new.
+    rows = pipeline.table("orders").num_rows
+    again = pipeline.run()
+    assert again.completed(), f"the update after the rerun failed (exit {again.returncode}):\n{again.output[-4000:]}"
+    assert REGISTER_KEPT in update.output and REGISTER_KEPT in again.output, again.output[-3000:]
+    assert pipeline.table("orders").num_rows == rows, "an update with nothing queued wrote rows"
 
 
 def _closed_port() -> int:

@@ -84,8 +84,10 @@ def test_row2_stop_mid_batch_releases_at_once_and_leaves_nothing_running(spark, 
          .option("checkpointLocation", ck))
     assert q.awaitTermination(120)
     assert q.exception() is None
-    check_no_loss(w.ids, ids_of(spark.read.parquet(out).collect()),
-                  duplicates_reason="rows the stopped batch wrote before the stop")
+    report = check_no_loss(w.ids, ids_of(spark.read.parquet(out).collect()),
+                           duplicates_reason="rows the stopped batch wrote before the stop")
+    if read_mode == "driver":  # the restart ran the stopped batch id again with its own records
+        assert report.duplicates == 0, report
 
 
 HARNESS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sigterm_harness.py")
