@@ -62,7 +62,7 @@ def register(spark) -> None:
     from . import spark_versions  # a clear error where PySpark is missing or older than 4.0
 
     spark_versions.require()
-    if spark_versions.in_pipeline_definitions() and spark_versions.NATIVE_AVAILABLE_NOW:
+    if spark_versions.PIPELINES and spark_versions.in_pipeline_definitions():
         # A source registered from a pipeline's client makes `spark-pipelines run` fail after its run
         # (docs/deploy.md); the installed package's static registration serves the flows instead.
         from pyspark.pipelines.logging_utils import log_with_curr_timestamp  # the pipeline's own log lines

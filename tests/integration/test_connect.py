@@ -332,7 +332,6 @@ def test_bad_verdicts_are_the_classic_errors(remote, kafka, tmp_path):
     assert "SPARK_SHARE_RUNTIME_DIR" in found["not_ours"]
 
 
-@pytest.mark.both_read_modes
 def _write_once(batch, batch_id, root) -> None:
     """An idempotent sink, as Delta's txnVersion makes one: ``root/batch_id=N`` written once, a batch id it
     has skipped (on the server, which shares this host's file system)."""
@@ -342,6 +341,7 @@ def _write_once(batch, batch_id, root) -> None:
         os.rename(final + ".tmp", final)
 
 
+@pytest.mark.both_read_modes
 def test_failure_stop_and_restart_lose_nothing(remote, kafka, tmp_path, read_mode):
     """foreachBatch raises after writing its batch (the query fails, the rows come back); a restart
     from the checkpoint goes on; a stop mid-batch releases what the batch held. Each batch goes to an
