@@ -76,9 +76,9 @@ SPARK = require()
 ADMISSION_CONTROL = SPARK >= ADMISSION_CONTROL_SINCE
 NATIVE_AVAILABLE_NOW = ADMISSION_CONTROL
 SCHEMA_METADATA = ADMISSION_CONTROL  # a Python source's field metadata kept through the query (4.2 on)
-# Declarative pipelines (spark-pipelines) came with 4.1; so did register() over a static source of the same name
-# (4.0 refuses it: DATA_SOURCE_ALREADY_EXISTS), so the static format("kafka-share") exists from 4.1 on.
-PIPELINES = SPARK >= (4, 1)
+# Declarative pipelines (spark-pipelines) came with 4.1, which runs a Python source's flow as one batch and ends
+# it with no signal spark-share sees: kafka-share runs in pipelines from 4.2 on (docs/deploy.md).
+PIPELINES = NATIVE_AVAILABLE_NOW
 VERSION_TEXT = _installed() or ""
 
 if ADMISSION_CONTROL:

@@ -39,7 +39,7 @@ TEST_TOOLS = ["pytest>=8", "psutil>=5.9", "chispa>=0.10", "nbclient>=0.10", "nbf
 # after the sink's write, replays, zombie reads), the scheduled job end to end, the example pipeline run
 # again after a kill, and Spark Connect.
 JOB_RUNS = ["integration/test_job.py::test_job_end_to_end_on_the_embedded_broker",
-            # The example declarative pipeline, an update killed and run again (Spark >= 4.1; the module
+            # The example declarative pipeline, an update killed and run again (Spark >= 4.2; the module
             # skips itself before): its four updates in a row, 2.7 minutes, ran here by hand (docs/deploy.md).
             # (its definitions call spark_share.register(spark): the rerun and one more update exit 0)
             "integration/test_pipelines.py::test_an_update_killed_mid_flow_loses_nothing_when_run_again"]

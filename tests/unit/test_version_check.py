@@ -97,3 +97,31 @@ def test_an_exchange_location_is_in_the_schema_only_where_spark_keeps_a_schema_w
     else:
         assert source.schema() == records.spark_schema(False)
     assert spark_versions.SCHEMA_METADATA == (spark_versions.SPARK >= (4, 2))
+
+
+class _NoRegistration:
+    """A session whose registrations fail the test: register() must not reach them in a pipeline file."""
+
+    @property
+    def dataSource(self):
+        raise AssertionError("register() registered a source from a pipeline's definitions file")
+
+
+def test_register_in_a_pipeline_definitions_file_keeps_the_static_source_or_names_the_spark_it_needs(monkeypatch,
+                                                                                                      capsys):
+    registry = pytest.importorskip("pyspark.pipelines.graph_element_registry",
+                                   reason="PySpark < 4.1 has no declarative pipelines")
+    import spark_share
+
+    graph_element_registration_context = registry.graph_element_registration_context
+
+    assert not spark_versions.in_pipeline_definitions()
+    with graph_element_registration_context(object()):  # what spark-pipelines run sets around each file
+        assert spark_versions.in_pipeline_definitions()
+        monkeypatch.setattr(spark_versions, "PIPELINES", True)
+        spark_share.register(_NoRegistration())
+        assert "spark_share.register: in a pipeline's definitions file" in capsys.readouterr().out
+        monkeypatch.setattr(spark_versions, "PIPELINES", False)
+        monkeypatch.setattr(spark_versions, "VERSION_TEXT", "4.1.4")
+        with pytest.raises(spark_share.UnsupportedSparkError, match=r"needs Spark >= 4.2: Spark 4.1.4"):
+            spark_share.register(_NoRegistration())
