@@ -144,6 +144,7 @@ class NamespaceCluster:
         with open(self.hosts_file, "w") as f:
             f.write("127.0.0.1 localhost\n" + "".join(f"{ip} {h}\n" for h, ip in self.hosts.items()))
         self._procs: list[subprocess.Popen] = []
+        self._broker_links: dict[str, list[subprocess.Popen]] = {}  # host -> its socat forwards to the broker
         self._forwarded: set[int] = set()
         self._made_bridge = False
         self._made_ns: list[str] = []
@@ -298,6 +299,23 @@ class NamespaceCluster:
                               f"TCP-LISTEN:{port},bind=127.0.0.1,fork,reuseaddr", f"TCP:{self.bridge_ip}:{port}"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         self._procs.append(p)
+        self._broker_links.setdefault(host, []).append(p)
+
+    @contextlib.contextmanager
+    def broker_links_frozen(self, host: str):
+        """``host``'s connections to the broker go silent, as a host lost with them: its forwards (each
+        connection a forked child in the listener's process group) are stopped, so nothing the host's
+        processes do, their death included, reaches the broker, which keeps their connections open until
+        its own timeouts. Resumed at the end (what the host's processes closed then closes)."""
+        groups = [p.pid for p in self._broker_links.get(host, [])]
+        assert groups, f"nothing of {host} reaches a broker: forward() first"
+        for g in groups:
+            os.killpg(g, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for g in groups:
+                os.killpg(g, signal.SIGCONT)
 
     def _wait_forwarded_on(self, host: str, port: int) -> None:
         probe = f"import socket; socket.create_connection(('127.0.0.1', {port}), 1).close()"

@@ -265,16 +265,15 @@ def test_a_lost_driver_host_in_driver_mode_the_job_elsewhere_writes_each_batch_i
     wait_until(lambda: len([b for b in cluster_runs.batches(shared) if b["count"]]) >= 2 or app.poll() is not None,
                timeout=300, interval=0.5, message="the first run did not read")
     assert app.poll() is None, cluster_runs.tail(app.log_path)
-    # The driver program, its JVM and its consumers frozen mid-stream, and left so while the job runs again
-    # elsewhere: no connection of theirs closes; the broker drops them after the group's session timeout.
-    os.killpg(app.pid, signal.SIGSTOP)
-    try:
+    # The driver host lost mid-stream: its connections to the broker go silent and its processes die (the
+    # Spark master frees their executors for the job's next attempt); the broker sees no connection of theirs
+    # close, and drops its consumers only after the group's session timeout.
+    with namespace_cluster.broker_links_frozen("driver"):
+        os.killpg(app.pid, signal.SIGKILL)
+        app.wait(30)
         again = cluster_runs.run_app(namespace_cluster, kafka, "drain", w.topic, group, shared, "--partitions", "3",
                                      "--run", "1", "--option", "readMode=driver", host="w3")
         res = cluster_runs.result(again, shared, 600)
-    finally:
-        os.killpg(app.pid, signal.SIGKILL)
-        app.wait(30)
     assert res["error"] is None, res["error"]
     rows = cluster_runs.written(shared)
     once = check_no_loss(w.ids, ids_of(cluster_runs.idempotent_view(rows)))
