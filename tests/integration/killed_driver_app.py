@@ -22,6 +22,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 
 def _kill_everything(batch_id: int) -> None:
@@ -52,7 +53,7 @@ def main() -> None:
     class KillAfterCommitLog(StreamingQueryListener):
         """Added before register()'s listener: the bus calls listeners in order, so spark-share's never
         hears of this batch's commit, and Spark's next batch (the source's commit()) waits for a trigger
-        interval longer than this program lives."""
+        that comes after this program's end."""
 
         def onQueryStarted(self, event):
             pass
@@ -104,9 +105,12 @@ def main() -> None:
         assert query.exception() is None, query.exception()
         sys.stdout.write("PROGRESS " + json.dumps([json.loads(p.json) for p in query.recentProgress]) + "\n")
     else:
-        # Batches back to back until the kill: a new batch starts as soon as one ends, except after the
-        # killed one, whose progress comes first (the interval is far longer than the program lives).
-        query = writer.trigger(processingTime="60 seconds" if kill == "after_commit_log" else "0 seconds").start()
+        # Batches back to back until the kill, except after the batch killed after its commit log: nothing may
+        # plan the next one (that acknowledges it) before the listener kills. Spark starts a processing-time
+        # trigger at multiples of its interval since the epoch: an interval of the seconds since the epoch puts
+        # the next one decades away (a 60 s interval let a batch that crossed a minute's end be followed at once).
+        interval = f"{int(time.time()) - 1} seconds" if kill == "after_commit_log" else "0 seconds"
+        query = writer.trigger(processingTime=interval).start()
         query.awaitTermination(600)
         sys.stdout.write("NOT KILLED\n")
     sys.stdout.flush()
