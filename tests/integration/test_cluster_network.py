@@ -203,23 +203,31 @@ def test_delay_and_loss_on_a_hosts_link(namespace_cluster, kafka):
     s.finish()
 
 
+def _stream_until_two_batches(cluster, kafka, name: str, *options: str):
+    """A stream on the cluster's driver host over a 3,000-record backlog of 3 partitions, 300 records a batch,
+    with the test's lock and session timeout; returned once it wrote two batches: (workload, group, shared
+    directory, the driver program)."""
+    kafka.set_record_lock_duration(LOCK_S * 1000)
+    kafka.set_session_timeout(6000)
+    w = Workload(kafka, name, partitions=3)
+    for _ in range(30):
+        w.produce(100)
+    group = kafka.group(gid())
+    shared = os.path.join(cluster.shared, f"{name}-{gid()}")
+    app = cluster_runs.run_app(cluster, kafka, "stream", w.topic, group, shared, "--partitions", "3",
+                               "--max-per-trigger", "300", *options)
+    wait_until(lambda: len([b for b in cluster_runs.batches(shared) if b["count"]]) >= 2 or app.poll() is not None,
+               timeout=300, interval=0.5, message="the first run did not read")
+    assert app.poll() is None, cluster_runs.tail(app.log_path)
+    return w, group, shared, app
+
+
 def test_a_lost_driver_host_and_the_job_started_again_elsewhere(namespace_cluster, kafka):
     """The driver host is lost in the middle of a batch (its processes frozen: nothing closes a
     connection). Every agent of that run finds its tracker gone within a record lock, releases what it
     holds and leaves the group. The job, started again from its checkpoint on another host as a scheduler
     retries it, drains everything queued, the dead run's records included: nothing lost."""
-    kafka.set_record_lock_duration(LOCK_S * 1000)
-    kafka.set_session_timeout(6000)
-    w = Workload(kafka, "lost-driver", partitions=3)
-    for _ in range(30):
-        w.produce(100)
-    group = kafka.group(gid())
-    shared = os.path.join(namespace_cluster.shared, f"lost-driver-{gid()}")
-    app = cluster_runs.run_app(namespace_cluster, kafka, "stream", w.topic, group, shared, "--partitions", "3",
-                               "--max-per-trigger", "300")
-    wait_until(lambda: len([b for b in cluster_runs.batches(shared) if b["count"]]) >= 2 or app.poll() is not None,
-               timeout=300, interval=0.5, message="the first run did not read")
-    assert app.poll() is None, cluster_runs.tail(app.log_path)
+    w, group, shared, app = _stream_until_two_batches(namespace_cluster, kafka, "lost-driver")
     workers = [h for h in namespace_cluster.hosts if h != "driver"]
     before = {h: set(cluster_runs.agents_on(namespace_cluster, h)) for h in workers}
     assert any(before.values()), "no agent ran"
@@ -249,22 +257,12 @@ def test_a_lost_driver_host_and_the_job_started_again_elsewhere(namespace_cluste
 @pytest.mark.real_only("the embedded broker hands records out again whenever a member joins: a replay's records "
                        "are not the only ones that come back there, so 0 duplicates cannot be asserted on it")
 def test_a_lost_driver_host_in_driver_mode_the_job_elsewhere_writes_each_batch_id_once(namespace_cluster, kafka):
-    """readMode=driver: the driver host is lost mid-stream (frozen, then killed: nothing closes a connection)
-    with its consumers holding a planned batch. The job, started again on another host from the checkpoint,
+    """readMode=driver: the driver host is lost mid-stream (its links to the broker silent, its processes
+    killed: the broker sees no connection close) with its consumers holding records. The job, started again on another host from the checkpoint,
     runs that batch id again with the same records once the group dropped the lost members: a sink that skips
     a batch id it has gets every record once; an append sink gets that batch twice, nothing else."""
-    kafka.set_record_lock_duration(LOCK_S * 1000)
-    kafka.set_session_timeout(6000)
-    w = Workload(kafka, "lost-driver-host", partitions=3)
-    for _ in range(30):
-        w.produce(100)
-    group = kafka.group(gid())
-    shared = os.path.join(namespace_cluster.shared, f"lost-driver-host-{gid()}")
-    app = cluster_runs.run_app(namespace_cluster, kafka, "stream", w.topic, group, shared, "--partitions", "3",
-                               "--max-per-trigger", "300", "--option", "readMode=driver")
-    wait_until(lambda: len([b for b in cluster_runs.batches(shared) if b["count"]]) >= 2 or app.poll() is not None,
-               timeout=300, interval=0.5, message="the first run did not read")
-    assert app.poll() is None, cluster_runs.tail(app.log_path)
+    w, group, shared, app = _stream_until_two_batches(namespace_cluster, kafka, "lost-driver-host",
+                                                      "--option", "readMode=driver")
     # The driver host lost mid-stream: its connections to the broker go silent and its processes die (the
     # Spark master frees their executors for the job's next attempt); the broker sees no connection of theirs
     # close, and drops its consumers only after the group's session timeout.
