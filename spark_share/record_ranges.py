@@ -200,11 +200,17 @@ def _merge(runs: Iterable[Sequence[int]]) -> list[tuple[int, int]]:
 class RecordSorter:
     """What a run's sessions sort each poll by: records of a batch Spark committed (ACCEPTed at once, never
     handed out) and, while a batch is replayed, that batch's records (handed out to it; anything else the
-    poll acquired waits, still acquired, for the next batch). Thread-safe: every session consults it."""
+    poll acquired waits, still acquired, for the next batch). Thread-safe: every session consults it.
+
+    Committed records are an earlier run's committed batches, the batches this run is ACCEPTing (from before
+    their acknowledgements are sent until the broker took them all) and those whose ACCEPT the broker refused
+    (a lock that expired before the commit): only a record of these can come back, and only what failed stays."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.committed = RecordRanges()
+        self._kept = RecordRanges()  # committed for good: an earlier run's batches, ACCEPTs that failed
+        self._accepting: dict[int, RecordRanges] = {}  # batch -> its records whose ACCEPT is on its way
         self.replays: dict[int, RecordRanges] = {}
         self._missing: dict[int, int] = {}  # replayed batch -> how many of its records no poll brought yet
         self.accepted_again = 0  # records of a committed batch that came back and were ACCEPTed unseen
@@ -216,7 +222,30 @@ class RecordSorter:
     def commit(self, ranges: RecordRanges) -> None:
         """Records of a batch Spark committed (an earlier run's: it may not have acknowledged them)."""
         with self._lock:
-            self.committed = self.committed.union(ranges)
+            self._kept = self._kept.union(ranges)
+            self._update()
+
+    def accepting(self, batch: int, ranges: RecordRanges) -> None:
+        """Batch ``batch`` is committed and its ACCEPTs are about to be sent: a record of it that comes back (its
+        lock expired first) is ACCEPTed, not handed out again."""
+        with self._lock:
+            self._accepting[batch] = ranges
+            self._update()
+
+    def accepted(self, batch: int, refused: bool) -> None:
+        """The broker answered ``batch``'s ACCEPTs; ``refused``: not all of them went through, so its records
+        stay committed (which of them failed is known per partition only; the others never come back)."""
+        with self._lock:
+            ranges = self._accepting.pop(batch, None)
+            if ranges is not None and refused:
+                self._kept = self._kept.union(ranges)
+            self._update()
+
+    def _update(self) -> None:
+        out = self._kept
+        for ranges in self._accepting.values():
+            out = out.union(ranges)
+        self.committed = out
 
     def replay(self, batch: int, ranges: RecordRanges) -> None:
         with self._lock:

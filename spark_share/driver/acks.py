@@ -19,8 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
+import numpy as np
+
 from ..acknowledgement import ACCEPT, REJECT, RELEASE, AckOutcome
 from ..options import ShareSourceOptions, scrub
+from ..record_ranges import RecordRanges, RecordSorter
 from ..transport.protocol import Ack, AckResult, DeadLetter, Stage, call_async
 from ..verdict_set import VerdictSet
 from .batches import QUEUED, BatchState
@@ -44,6 +47,9 @@ class Acknowledger:
         self._finished = finished  # called under ``lock`` once the broker answered (or did not)
         self._after = after  # then, without the lock, on the same thread: housekeeping between batches
         self.query_id: Callable[[], str | None] = lambda: None  # the query the tracker serves, once it knows
+        # readMode=driver: the run's sessions sort their polls by it, so a record of a committed batch that
+        # comes back because its ACCEPT came too late (its lock expired) is ACCEPTed, never emitted again.
+        self.sorter: RecordSorter | None = None
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spark-share-acks")
 
     def acknowledge(self, b: BatchState, default: int, queued: Callable[[], None]) -> str | None:
@@ -56,6 +62,7 @@ class Acknowledger:
             conns = {a: self._agents.get(a) for a in {a["agent"] for a in b.acquired.values()}}
             verdicts = b.verdicts
             runs = b.runs_by_agent() if verdicts else {}
+            accepting = _accepted_records(b, verdicts) if default == ACCEPT and self.sorter is not None else None
         timeout_s = self.opts.ack_timeout_ms / 1000.0
         failure = None
         # Each agent is sent only the verdicts on records it holds. A batch given back (not committed)
@@ -85,6 +92,8 @@ class Acknowledger:
         # consumers as it arrives (on its wire loop), and the claims of the next batch are answered on
         # the same connections behind it, so they find those consumers acknowledged first. The answers
         # are collected with the broker's, off Spark's path.
+        if default == ACCEPT and accepting is not None and self.sorter is not None:
+            self.sorter.accepting(b.batch, accepting)
         acks = {}
         for agent_id, conn in conns.items():
             if conn is None:
@@ -144,6 +153,12 @@ class Acknowledger:
                     b.outcome.add(AckOutcome.from_dict(slot_out))
             except Exception as e:
                 self._count_failed(b, agent_id, type(e).__name__)
+        if default == ACCEPT and self.sorter is not None:
+            refused = b.outcome.expired + b.outcome.failed
+            self.sorter.accepted(b.batch, refused=bool(refused))
+            if refused:
+                log.info("spark-share batch %d: Spark committed it, so its records whose ACCEPT was refused are "
+                         "ACCEPTed when the broker delivers them again, never emitted again", b.batch)
         with self._lock:
             b.acked_at = time.time()
             self._finished(b, default)
@@ -183,6 +198,19 @@ class Acknowledger:
                         "found to write as dead letters"), written
             written.add(agent_id)
         return None, written
+
+
+def _accepted_records(b: BatchState, verdicts: VerdictSet) -> RecordRanges:
+    """The records of ``b`` its acknowledgement ACCEPTs: all it acquired but those a verdict RELEASEs (they are
+    to come back) or REJECTs (a failed REJECT brings its record back to be rejected again)."""
+    records = RecordRanges.of_acquired(list(b.acquired.values()))
+    others = {}
+    for tp, part in verdicts.parts.items():
+        offsets = np.sort(part.offsets[part.kinds != ACCEPT])
+        if len(offsets):
+            cuts = np.flatnonzero(np.diff(offsets) != 1) + 1
+            others[tp] = [(int(run[0]), int(run[-1])) for run in np.split(offsets, cuts)]
+    return records.minus(RecordRanges(others)) if others else records
 
 
 def log_batch(b: BatchState, group_id: str, policy: BatchPolicy) -> None:

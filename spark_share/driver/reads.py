@@ -48,7 +48,7 @@ class DriverReads:
         self._closing = threading.Event()  # set by close(): an agent still starting leaves, a replay's wait ends
         self._planned: dict[int, list[RowsPartition]] = {}  # acquired at latestOffset, until partitions() asks
         # Known before the agent starts: a replayed batch's polls may begin as its sessions join.
-        self.sorter = tracker.sorter = RecordSorter()
+        self.sorter = tracker.sorter = tracker.acks.sorter = RecordSorter()
         # Started on a thread of its own: its consumers join the group while Spark writes the first offsets.
         threading.Thread(target=self._start, args=(tracker,), name="spark-share-driver-agent", daemon=True).start()
 

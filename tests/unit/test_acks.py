@@ -413,3 +413,34 @@ def test_expired_locks_are_warned_about_with_advice(caplog):
     assert len(warnings) == 1
     assert "4 records' locks expired" in warnings[0] and "share.record.lock.duration.ms" in warnings[0]
     assert "at most 5 records per consumer" in warnings[0]
+
+
+def test_a_committed_batchs_accepted_records_are_sorted_out_of_later_polls_until_the_broker_took_them(rig):
+    """readMode=driver: before a committed batch's ACCEPTs leave, the run's sorter holds the records they
+    ACCEPT (not those a verdict RELEASEs or REJECTs: those must come back to be handled); the batch is
+    forgotten once the broker took them all, kept when an ACCEPT was refused (its lock had expired: the record
+    comes back and must not be emitted again)."""
+    from spark_share.record_ranges import RecordRanges, RecordSorter
+
+    gate = threading.Event()
+    a = FakeAgent("a", slots={"0": answer(accepted=7, expired=1, released=1, rejected=1,
+                                          errors={"INVALID_RECORD_STATE(121)": 1})}, hold_result=gate)
+    r = rig({"a": a})
+    r.acks.sorter = sorter = RecordSorter()
+    b = batch(4, ("a", 10, 0, 0, 9))
+    give(b, ("t", 0, 3, REJECT, "bad"), ("t", 0, 4, RELEASE), ("t", 0, 5, RELEASE))
+    assert r.acknowledge(b, ACCEPT) is None
+    assert sorter.committed == RecordRanges({("t", 0): [(0, 2), (6, 9)]}), "set before the broker answers"
+    gate.set()
+    r.wait_finished(4)
+    assert sorter.committed == RecordRanges({("t", 0): [(0, 2), (6, 9)]}), "an ACCEPT was refused: kept"
+
+    ok = FakeAgent("a", slots={"0": answer(accepted=10)})
+    r2 = rig({"a": ok})
+    r2.acks.sorter = sorter2 = RecordSorter()
+    assert r2.acknowledge(batch(5, ("a", 10, 0, 0, 9)), ACCEPT) is None
+    r2.wait_finished(5)
+    assert not sorter2.committed and not sorter2.active, "every ACCEPT went through: nothing can come back"
+    assert r2.acknowledge(batch(6, ("a", 10, 0, 10, 19)), RELEASE) is None
+    r2.wait_finished(6)
+    assert not sorter2.active, "a batch given back is never committed"

@@ -108,3 +108,24 @@ def test_a_session_sorts_a_poll_into_the_batchs_the_committed_and_the_next_batch
     assert sorter.accepted_again == 8
     sorter.replayed(8)
     assert sorter.wanted(8) is None and len(sorter.sort(8, poll)[0]) == len(poll) - 4
+
+
+def test_a_batch_being_accepted_is_committed_until_the_broker_took_it_and_for_good_if_it_refused():
+    """While a committed batch's ACCEPTs are on their way, a record of it that comes back (its lock expired
+    before the commit) is ACCEPTed unseen; once the broker took them all the set forgets the batch (an ACCEPTed
+    record never comes back); a batch whose ACCEPT was refused stays committed."""
+    sorter = RecordSorter()
+    poll = [Msg("t", 0, o) for o in range(6)]
+    sorter.accepting(1, RecordRanges({("t", 0): [(0, 1)]}))
+    sorter.accepting(2, RecordRanges({("t", 0): [(2, 3)]}))
+    assert sorter.active and [repr(m) for m in sorter.sort(3, poll)[1]] == ["t-0@0", "t-0@1", "t-0@2", "t-0@3"]
+    sorter.accepted(1, refused=False)
+    sorter.accepted(2, refused=True)
+    assert [repr(m) for m in sorter.sort(3, poll)[1]] == ["t-0@2", "t-0@3"]
+    sorter.commit(RecordRanges({("t", 0): [(5, 5)]}))  # an earlier run's committed batch: kept beside it
+    assert [repr(m) for m in sorter.sort(3, poll)[1]] == ["t-0@2", "t-0@3", "t-0@5"]
+    assert sorter.accepted_again == 4 + 2 + 3
+    clean = RecordSorter()
+    clean.accepting(1, RecordRanges({("t", 0): [(0, 5)]}))
+    clean.accepted(1, refused=False)
+    assert not clean.active and clean.sort(3, poll) == (poll, [], [])
