@@ -78,8 +78,13 @@ def _handed(out: str, batch_id: int) -> list[list[int]]:
     return [json.load(open(f)) for f in found]
 
 
-def _setup(kafka, tmp_path, sink: str, records: int = 1200):
-    w = Workload(kafka, "killed", partitions=2)
+def _setup(kafka, tmp_path, sink: str, records: int = 1200, partitions: int = 2):
+    # The killed run's members keep their partitions until the group's session timeout, which the restart's
+    # replay waits out: 6 s here. The embedded broker does not say its timeout, so the replay waits a record lock
+    # (30 s) there; with the mock's own default, a poll just as the lost members went found a partition's later
+    # records first once, and the replay lacked that partition's records of the batch.
+    kafka.set_session_timeout(6000)
+    w = Workload(kafka, "killed", partitions=partitions)
     w.produce(records)
     conf = {"checkpoint": str(tmp_path / "ck"), "out": str(tmp_path / "out"), "sink": sink,
             "group": kafka.group(gid()), "topic": w.topic, "maxRecordsPerTrigger": 300}
@@ -87,7 +92,9 @@ def _setup(kafka, tmp_path, sink: str, records: int = 1200):
 
 
 def test_killed_after_the_sink_wrote_a_batch_the_replay_carries_the_same_records(kafka, tmp_path):
-    w, conf = _setup(kafka, tmp_path, "batch_dirs")
+    # One partition: each batch is one poll of one consumer. (A batch that was two polls of one partition, which
+    # the embedded broker sometimes hands two members at first, comes back partly: docs/guarantees.md.)
+    w, conf = _setup(kafka, tmp_path, "batch_dirs", partitions=1)
     _run(kafka, {**conf, "kill": "after_sink_write", "batch": 1})
     assert not os.path.exists(os.path.join(conf["checkpoint"], "commits", "1"))
     out = _run(kafka, {**conf, "kill": "none"})
