@@ -67,6 +67,11 @@ class FetchStats:
         """time.monotonic() when the latest statistics were served."""
         return self._stats[0]
 
+    @property
+    def text(self) -> str:
+        """The latest statistics text (JSON), "" before any."""
+        return self._stats[1]
+
     def on_stats(self, text: str) -> None:
         # Served inside poll() (or commit_sync/commit_async, see _serve_idle); parsed only when an
         # empty poll looks at it.

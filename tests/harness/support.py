@@ -227,12 +227,23 @@ def drain_share_group(kafka, group: str, topics: list[str], timeout: float,
                       ack=AcknowledgeType.ACCEPT, until: int | None = None, **config) -> list:
     """Consume what a share group hands out within ``timeout`` s (or until ``until`` records);
     ``kafka``: the test's broker (or a bootstrap address); ``config``: more consumer configs, dots
-    as underscores (``max_poll_records=100``)."""
+    as underscores (``max_poll_records=100``).
+
+    A check that nothing is left (no ``until``, nothing handed out yet) ends sooner: once this consumer holds
+    every partition of ``topics`` and the broker answered a fetch for all of them with nothing. What is
+    available comes in that answer; a record still locked by a member that is gone would not come within
+    these few seconds anyway."""
+    from spark_share.consumers.session_stats import FetchStats
+
+    stats = FetchStats()
     c = ShareConsumer({**client_config(kafka), "group.id": group, "share.acknowledgement.mode": "explicit",
+                       "statistics.interval.ms": 100, "stats_cb": stats.on_stats,
                        **{k.replace("_", "."): str(v) for k, v in config.items()}})
     c.subscribe(topics)
     got = []
-    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    deadline = started + timeout
+    base: dict[str, int] = {}
     try:
         while time.monotonic() < deadline and (until is None or len(got) < until):
             msgs = c.poll(min(0.5, max(0.01, deadline - time.monotonic())))
@@ -242,9 +253,25 @@ def drain_share_group(kafka, group: str, topics: list[str], timeout: float,
                     c.acknowledge(m, ack)
             if msgs:
                 c.commit_sync(10)
+            elif until is None and not got and _answered_empty(stats, started, base, topics):
+                break
     finally:
         c.close()
     return got
+
+
+def _answered_empty(stats, started: float, base: dict, topics: list[str]) -> bool:
+    """Does this consumer hold every partition of ``topics``, and has the broker answered a fetch for them
+    all, sent after ``started``, with nothing?"""
+    answered = stats.drained(started, base)
+    if not answered:
+        return False
+    try:
+        every = {(t, int(p)) for t, tv in json.loads(stats.text).get("topics", {}).items() if t in topics
+                 for p in tv["partitions"] if int(p) >= 0}
+    except (ValueError, KeyError, TypeError):
+        return False
+    return bool(every) and every <= answered
 
 
 class IdleMember:

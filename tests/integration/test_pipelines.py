@@ -59,8 +59,8 @@ def _valid(table, valid: bool) -> set[int]:
 
 
 def _nothing_left(kafka, group: str, topic: str) -> None:
-    """What the update wrote was acknowledged: the group hands out none of it again (a record released
-    or left to expire would come back within the wait)."""
+    """What the update wrote was acknowledged: the group hands out none of it again (a record the update
+    released, or held when its processes ended, is available again and would be in the broker's answer)."""
     left = drain_share_group(kafka, group, [topic], timeout=8.0)
     assert not left, f"{len(left)} records still queued after the update, e.g. {left[:3]}"
 
