@@ -151,6 +151,8 @@ def share_run(spark, kafka, topic, slots, n, tmp, locks=None, group=None, sink=N
             "tracked": [tracked[k] for k in sorted(tracked)],
             "first_row_s": first_row_s, "end_after_last_s": end_after_last_s,
             "mean_batch": rows / max(1, len(prog)),
+            "progress_max_bytes": max((len(p.json) if hasattr(p, "json") else len(json.dumps(p))
+                                       for p in q.recentProgress), default=0),
             "phases": spark_phases(q),
             "cpu_by_process": cpu.by_kind, "steady_records": after_first,
             "steady_seconds": end - first[0], "steady_cpu": cpu.seconds - first[1],

@@ -1,7 +1,7 @@
 """The embedded broker's synthetic workload: orders to produce, and the demo's config and paths.
 
 Owns: :func:`produce_waiting` (the one produce loop that waits for room instead of failing, used by
-the job, ``spark-share produce`` and benchmarks/benchmark.py), :func:`synthetic_order` (the one generator
+the job, ``spark-share produce`` and the benchmarks: benchmarks/bench_common.py), :func:`synthetic_order` (the one generator
 of synthetic orders, shared by the job and ``spark-share produce``), :func:`synthetic_orders` (the
 job's workload on a topic), :func:`demo_config` and :func:`prepare_embedded_paths` (an embedded
 run replaces the tables of the previous embedded run, nothing else).

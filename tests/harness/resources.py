@@ -7,7 +7,7 @@ verdict that fails a run when a series keeps growing after warm-up (``growth_ver
 test over the whole window, not a threshold on one sample), and ``plot``.
 
 Must never: signal or otherwise touch the processes it samples, or count another program's.
-Used by tests/harness/chaos.py and benchmarks/benchmark.py; not part of the package.
+Used by tests/harness/chaos.py and benchmarks/bench_cpu.py; not part of the package.
 """
 from __future__ import annotations
 
