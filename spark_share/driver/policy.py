@@ -284,6 +284,8 @@ class BatchPolicy(AvailableNowPolicy):
             if held is None or held >= GROW_BELOW_FRACTION * self.lock_ms:
                 self.batches_within_lock = 0
                 return
+            if 2 * max((a.get("rows", 0) for a in b.acquired.values()), default=0) < self.lock_safe_records:
+                return  # far below the cap (records a broker hands out one at a time): no sign a bigger one fits
             self.batches_within_lock += 1
             if self.batches_within_lock >= GROW_AFTER_BATCHES:
                 self.lock_safe_records *= 2

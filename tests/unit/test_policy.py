@@ -511,3 +511,19 @@ def test_a_drain_after_a_replayed_batch_closes_as_usual_once_the_lock_has_passed
     p, b0 = _replayed_then_read_all()
     assert p.should_run(b0, 0, 1016.0) and p.closing and not p.waiting_for_locks
     assert not p.should_run(batch(1, slots=0), 0, 1016.5)
+
+
+def test_batches_far_below_the_cap_do_not_grow_it():
+    """Records a broker hands out one at a time (Kafka 4.2 does so with records delivered before) make batches
+    of one record, well within the lock: they say nothing of whether a bigger batch fits (on a real Kafka, 400
+    of them grew the cap to 2 ** 40 times its size)."""
+    p = BatchPolicy(num_slots=2, idle_probe_ms=10_000)
+    slow = batch(0, [(0, 399), (0, 399)], expired=800)
+    slow.acked_at = 100.0 + 40
+    p.acknowledged(slow)
+    assert p.lock_safe_records == 200
+    for n in range(1, 4 * GROW_AFTER_BATCHES):
+        b = batch(n, [(n, n)])
+        b.acked_at = 100.0 + 0.1
+        p.acknowledged(b)
+    assert p.lock_safe_records == 200
