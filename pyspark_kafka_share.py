@@ -5,8 +5,8 @@ registers each under its ``name()``.
 
 Declarative pipelines (``spark-pipelines run``) need this: a data source registered from the client
 (``spark.dataSource.register``) makes the pipeline command fail after a successful run (PySpark 4.3,
-docs/deploy.md, "Declarative pipelines"); a statically registered one does not. Only on Spark >= 4.2,
-where kafka-share works in a pipeline: Spark 4.0 refuses ``register()`` over a static source of the same
+docs/deploy.md, "Declarative pipelines"); a statically registered one does not. Only on Spark >= 4.1,
+which has pipelines: Spark 4.0 refuses ``register()`` over a static source of the same
 name (``DATA_SOURCE_ALREADY_EXISTS``), which would break every 4.0 session that calls it.
 
 Must never: raise (every session's lookup imports this module; an error there fails every Python data

@@ -62,13 +62,7 @@ def register(spark) -> None:
     from . import spark_versions  # a clear error where PySpark is missing or older than 4.0
 
     spark_versions.require()
-    if spark_versions.in_pipeline_definitions():
-        if not spark_versions.PIPELINES:
-            raise UnsupportedSparkError(
-                f"kafka-share in a declarative pipeline needs Spark >= 4.2: Spark {spark_versions.VERSION_TEXT} runs "
-                "a Python source's flow as one batch and ends it with no signal spark-share can see, so what an "
-                "update wrote would be read again (docs/deploy.md, 'Declarative pipelines'). Run the flow as a "
-                "streaming query with spark_share.drain(writer), or use Spark 4.2 or later")
+    if spark_versions.in_pipeline_definitions():  # Spark >= 4.1
         # A source registered from a pipeline's client makes `spark-pipelines run` fail after its run
         # (docs/deploy.md); the installed package's static registration serves the flows instead.
         from pyspark.pipelines.logging_utils import log_with_curr_timestamp  # the pipeline's own log lines

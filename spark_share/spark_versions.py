@@ -76,9 +76,9 @@ SPARK = require()
 ADMISSION_CONTROL = SPARK >= ADMISSION_CONTROL_SINCE
 NATIVE_AVAILABLE_NOW = ADMISSION_CONTROL
 SCHEMA_METADATA = ADMISSION_CONTROL  # a Python source's field metadata kept through the query (4.2 on)
-# Declarative pipelines (spark-pipelines) came with 4.1, which runs a Python source's flow as one batch and ends
-# it with no signal spark-share sees: kafka-share runs in pipelines from 4.2 on (docs/deploy.md).
-PIPELINES = NATIVE_AVAILABLE_NOW
+# Declarative pipelines (spark-pipelines) came with 4.1. 4.1 runs a Python source's flow as one batch per update
+# and ends it with no signal spark-share sees: that batch is acknowledged by the next update (docs/deploy.md).
+PIPELINES = SPARK >= (4, 1)
 VERSION_TEXT = _installed() or ""
 
 if ADMISSION_CONTROL:

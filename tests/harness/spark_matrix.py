@@ -39,7 +39,7 @@ TEST_TOOLS = ["pytest>=8", "psutil>=5.9", "chispa>=0.10", "nbclient>=0.10", "nbf
 # after the sink's write, replays, zombie reads), the scheduled job end to end, the example pipeline run
 # again after a kill, and Spark Connect.
 JOB_RUNS = ["integration/test_job.py::test_job_end_to_end_on_the_embedded_broker",
-            # The example declarative pipeline, an update killed and run again (Spark >= 4.2; the module
+            # The example declarative pipeline, an update killed and run again (Spark >= 4.1; the module
             # skips itself before): its four updates in a row, 2.7 minutes, ran here by hand (docs/deploy.md).
             # (its definitions call spark_share.register(spark): the rerun and one more update exit 0)
             "integration/test_pipelines.py::test_an_update_killed_mid_flow_loses_nothing_when_run_again"]
@@ -63,15 +63,23 @@ CORE = [
 OURS_IN_THE_CORE = ["integration/test_source.py::test_bad_setup_fails_fast_with_a_clear_error",
                     "integration/test_source.py::test_sockets_refuse_peers_without_the_secret",
                     "integration/test_source.py::test_secrets_never_leak"]
-# Spark Connect differs between Sparks before 4.2 (no source progress) and from 4.2 on, where 4.2 runs it as
-# 4.3 does: 4.0 and 4.1 run test_connect.py, 4.2 leaves it to 4.3.
-CONNECT_AS_ON_4_3 = ("4.2.",)
+# Spark 4.2 makes every call of a Python source as 4.3 does (spark_share/spark_versions.py has no gate between
+# them): it runs what differs in Spark itself (versions, replays, the job, the pipeline), and leaves
+# test_source.py, the crash after the write and Spark Connect to 4.3.
+AS_ON_4_3 = ("4.2.",)
+LEFT_TO_4_3 = ["integration/test_source.py", "integration/faults/test_crash_before_commit.py",
+               "integration/test_connect.py"]
+# readMode=driver names a batch's records in its offset; Spark < 4.2 brings them back on a restart through
+# calls of its own (partitions(end, end) for a batch it runs again): the replay rows in that mode too, on
+# 4.1 (4.0 makes the same calls, docs/architecture.md "Spark versions").
+DRIVER_REPLAYS = {"4.1.": ["integration/faults/test_replays_and_zombie_reads.py",
+                           "integration/faults/test_crash_before_commit.py"]}
 ON_THE_OLDEST = [t for t in CORE if t not in JOB_RUNS] + [
     "integration/test_verdicts.py",
     "integration/faults/test_user_verdicts.py",
     "integration/faults/test_broker_faults.py",
     "integration/faults/test_dead_letter_failures.py",
-    "integration/test_job.py",
+    "integration/test_job.py::test_job_end_to_end_on_the_embedded_broker",
     # exchangeLocation reaches reject() in the batch's schema metadata, which Spark keeps for a Python source
     "integration/test_sandboxed_source.py",
 ]
@@ -146,8 +154,8 @@ def prepare(entry: dict, wheel: str) -> str:
 def tests_of(entry: dict, oldest: bool) -> list[str]:
     """The entry's pytest arguments: test files, and the tests of them it leaves out."""
     tests = ON_THE_OLDEST if oldest else CORE
-    if entry["pyspark"].startswith(CONNECT_AS_ON_4_3):
-        tests = [t for t in tests if t != "integration/test_connect.py"]
+    if entry["pyspark"].startswith(AS_ON_4_3):
+        tests = [t for t in tests if t not in LEFT_TO_4_3]
     # Node ids are relative to the rootdir (the repository), not to tests/ where pytest runs.
     return tests + ([] if oldest else [a for t in OURS_IN_THE_CORE for a in ("--deselect", f"tests/{t}")])
 
@@ -163,15 +171,19 @@ def run(entry: dict, wheel: str, pytest_args: list[str], oldest: bool) -> tuple[
            if k not in ("SPARK_SHARE_TEST_BOOTSTRAP", "SPARK_SHARE_TEST_KAFKA_START", "SPARK_SHARE_TEST_REAL_PASS",
                         "PYTHONPATH", "VIRTUAL_ENV")}
     env["PATH"] = os.path.join(venv, "bin") + os.pathsep + env.get("PATH", "")
-    # readMode=driver differs from executors in how rows reach the tasks, not in Spark's calls: it runs on 4.3.
-    env["SPARK_SHARE_TEST_READ_MODES"] = "executors"
-    # From tests/: `python -m` (the agent, Spark's runner) must not find the repository's spark_share/.
-    rc = subprocess.run([os.path.join(venv, "bin", "pytest"), "-c", os.path.join(ROOT, "pyproject.toml"),
-                         "--rootdir", ROOT, "-p", "no:cacheprovider", *tests_of(entry, oldest), *pytest_args],
-                        cwd=os.path.join(ROOT, "tests"), env=env).returncode
-    if rc == 5:  # no tests: a failure, unless pytest arguments (-k ...) selected none of the core
-        print(f"spark_matrix: PySpark {entry['pyspark']}: pytest selected no tests", flush=True)
-        rc = 0 if pytest_args else 1
+    runs = [("executors", tests_of(entry, oldest))]  # the modes differ in how rows reach the tasks
+    runs += [("driver", t) for prefix, t in DRIVER_REPLAYS.items() if entry["pyspark"].startswith(prefix)]
+    rc = 0
+    for modes, tests in runs:
+        env["SPARK_SHARE_TEST_READ_MODES"] = modes
+        # From tests/: `python -m` (the agent, Spark's runner) must not find the repository's spark_share/.
+        one = subprocess.run([os.path.join(venv, "bin", "pytest"), "-c", os.path.join(ROOT, "pyproject.toml"),
+                              "--rootdir", ROOT, "-p", "no:cacheprovider", *tests, *pytest_args],
+                             cwd=os.path.join(ROOT, "tests"), env=env).returncode
+        if one == 5:  # no tests: a failure, unless pytest arguments (-k ...) selected none of the core
+            print(f"spark_matrix: PySpark {entry['pyspark']} (readMode {modes}): pytest selected no tests", flush=True)
+            one = 0 if pytest_args else 1
+        rc = rc or one
     return rc, time.monotonic() - started
 
 

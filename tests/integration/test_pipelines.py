@@ -7,10 +7,15 @@ hands nothing out afterwards); a second update reads only what arrived since; th
 gets each record that is not an order once; a full refresh leaves the table with what was queued since.
 The failures: an update killed in the middle and run again, a broker that cannot be reached, a flow that
 fails and is retried by the pipeline.
+
+Spark 4.1 runs a Python source's flow as one batch per update and ends it with no signal spark-share sees: the
+update's batch is left in the group (released at its stop) and the next update ACCEPTs it as a batch Spark
+committed, never writing it again. There the checks that nothing is left come one update later.
 """
 from __future__ import annotations
 
 import glob
+import json
 import os
 import socket
 
@@ -31,10 +36,10 @@ pytestmark = [
     pytest.mark.slow,
     # Spark 4.1 has pipelines but runs a Python source's flow as one batch and ends it with no signal
     # spark-share can see: each update's records are released and read again (docs/deploy.md).
-    pytest.mark.skipif(not spark_versions.PIPELINES,
-                       reason="kafka-share in a declarative pipeline needs Spark >= 4.2 (Trigger.AvailableNow for "
-                              "Python sources); pipelines came with 4.1"),
+    pytest.mark.skipif(not spark_versions.PIPELINES, reason="declarative pipelines came with Spark 4.1"),
 ]
+# Spark >= 4.2 runs an update's flow to the end and commits its batches where spark-share sees it; 4.1 does not.
+ACKNOWLEDGED_BY_THE_UPDATE = spark_versions.NATIVE_AVAILABLE_NOW
 
 
 def _orders(ids, bad_every: int = 0) -> list[dict]:
@@ -58,11 +63,16 @@ def _valid(table, valid: bool) -> set[int]:
     return {int(r["key"]) for r in rows if r["valid"] is valid}
 
 
-def _nothing_left(kafka, group: str, topic: str) -> None:
+def _nothing_left(kafka, group: str, topic: str, but: set[int] = frozenset()) -> None:
     """What the update wrote was acknowledged: the group hands out none of it again (a record the update
-    released, or held when its processes ended, is available again and would be in the broker's answer)."""
-    left = drain_share_group(kafka, group, [topic], timeout=8.0)
+    released, or held when its processes ended, is available again and would be in the broker's answer),
+    except records of ``but``."""
+    left = [r for r in drain_share_group(kafka, group, [topic], timeout=8.0) if _key_of(r) not in but]
     assert not left, f"{len(left)} records still queued after the update, e.g. {left[:3]}"
+
+
+def _key_of(record) -> int:
+    return int(json.loads(record[4])["id"])
 
 
 # What register() prints where a definitions file calls it: it keeps the static source (a source registered
@@ -73,6 +83,12 @@ REGISTER_KEPT = "spark_share.register: in a pipeline's definitions file"
 @pytest.fixture
 def pipeline(kafka, tmp_path, request):
     """The example pipeline; with ``@pytest.mark.register_call``, its definitions call register()."""
+    # A killed update's members keep their partitions until the group's session timeout (the embedded broker
+    # gives each partition to one member), which a replay waits out: 6 s here. The embedded broker does not
+    # say its timeout, so the replay waits a record lock (30 s) there, and with the mock's own default it
+    # ended without the partition of one killed member once (Spark 4.1, where the next update's run then
+    # ACCEPTs those records: docs/guarantees.md, "Not yet built").
+    kafka.set_session_timeout(6000)
     topic = kafka.create_topic(uid("orders"), 4)
     p = OrdersPipeline(str(tmp_path), kafka.bootstrap_servers, kafka.group(uid("pipeline")), topic,
                        register_call=request.node.get_closest_marker("register_call") is not None)
@@ -104,7 +120,8 @@ def test_each_update_drains_the_queue_and_the_next_reads_only_what_arrived_since
         assert report.duplicates == 0, report
     invalid = {i for i in first if i % 15 == 0}
     assert _valid(orders, True) == set(first) - invalid and _valid(orders, False) == invalid
-    _nothing_left(kafka, group, topic)
+    if ACKNOWLEDGED_BY_THE_UPDATE:  # else by the next update
+        _nothing_left(kafka, group, topic)
     copied = _invalid_copied(pipeline, invalid)
     print(f"update 1: produced {len(first)}, read {orders.num_rows}, duplicates {report.duplicates}, "
           f"{len(copied)} of {len(invalid)} not valid in the sink, {update.took:.0f} s")
@@ -117,7 +134,8 @@ def test_each_update_drains_the_queue_and_the_next_reads_only_what_arrived_since
     assert report2.duplicates == report.duplicates, f"update 2 read records of update 1 again: {report2}"
     invalid |= {i for i in second if i % 15 == 0}
     assert _valid(orders, True) == set(first + second) - invalid and _valid(orders, False) == invalid
-    _nothing_left(kafka, group, topic)
+    if ACKNOWLEDGED_BY_THE_UPDATE:
+        _nothing_left(kafka, group, topic)
     copied = _invalid_copied(pipeline, invalid)
     print(f"update 2: produced {len(second)}, read {orders.num_rows - report.delivered}, "
           f"{len(copied)} of {len(invalid)} not valid in the sink, {update.took:.0f} s")
@@ -128,6 +146,7 @@ def test_each_update_drains_the_queue_and_the_next_reads_only_what_arrived_since
     assert update.completed(), f"update 3 failed (exit {update.returncode}):\n{update.output[-4000:]}"
     assert pipeline.table("orders").num_rows == orders.num_rows, "an update with nothing queued wrote rows"
     assert _invalid_copied(pipeline, invalid) == invalid, "the sink lacks records that are not orders"
+    _nothing_left(kafka, group, topic)  # on 4.1: update 3 ACCEPTed update 2's batch when it came back
     print(f"update 3: nothing produced, the sink holds all {len(invalid)}, {update.took:.0f} s")
 
     # A full refresh empties the table and resets its flow's checkpoint; the share group keeps no
@@ -138,7 +157,7 @@ def test_each_update_drains_the_queue_and_the_next_reads_only_what_arrived_since
     refreshed = check_no_loss(third, _keys(pipeline.table("orders")))  # and none of the 900 before
     if kafka.external:  # as in the first update: the embedded broker redelivers on a joining consumer
         assert refreshed.duplicates == 0, refreshed
-    _nothing_left(kafka, group, topic)
+    _nothing_left(kafka, group, topic, but=set() if ACKNOWLEDGED_BY_THE_UPDATE else set(third))
     print(f"full refresh: produced {len(third)}, the table holds {refreshed.delivered}, {update.took:.0f} s")
 
 
@@ -165,10 +184,8 @@ def test_an_update_killed_mid_flow_loses_nothing_when_run_again(kafka, produce, 
 
     update = pipeline.run()
     assert update.completed(), f"the update after the kill failed (exit {update.returncode}):\n{update.output[-4000:]}"
-    left = drain_share_group(kafka, pipeline.group, [topic], timeout=8.0)
-    assert not left, (f"the update after the kill ended with {len(left)} records still queued (partitions "
-                      f"{sorted({r[1] for r in left})}):\n" + "\n".join(
-                          line for line in update.output.splitlines() if "spark_share" in line))
+    if ACKNOWLEDGED_BY_THE_UPDATE:
+        _nothing_left_after(kafka, pipeline, update)
     # On the embedded broker each consumer that joins ends every share session: the killed update's four
     # joining consumers can bring a partition's records to maxDeliveryCount (4), and they are set aside.
     report = check_no_loss(ids, _keys(pipeline.table("orders")), rejected=_set_aside(pipeline),
@@ -183,6 +200,15 @@ def test_an_update_killed_mid_flow_loses_nothing_when_run_again(kafka, produce, 
     assert again.completed(), f"the update after the rerun failed (exit {again.returncode}):\n{again.output[-4000:]}"
     assert REGISTER_KEPT in update.output and REGISTER_KEPT in again.output, again.output[-3000:]
     assert pipeline.table("orders").num_rows == rows, "an update with nothing queued wrote rows"
+    if not ACKNOWLEDGED_BY_THE_UPDATE:  # the rerun's batch came back to this update, which ACCEPTed it
+        _nothing_left_after(kafka, pipeline, again)
+
+
+def _nothing_left_after(kafka, pipeline, update) -> None:
+    left = drain_share_group(kafka, pipeline.group, [pipeline.topic], timeout=8.0)
+    assert not left, (f"the update ended with {len(left)} records still queued (partitions "
+                      f"{sorted({r[1] for r in left})}):\n" + "\n".join(
+                          line for line in update.output.splitlines() if "spark_share" in line))
 
 
 def _closed_port() -> int:
@@ -218,7 +244,15 @@ def test_a_flow_that_fails_mid_batch_is_retried_by_the_pipeline_and_loses_nothin
     update = pipeline.wait()
     assert update.completed(), f"the pipeline did not retry the failed flow (exit {update.returncode}):\n" \
                                f"{update.output[-4000:]}"
+    last: set[int] = set()
+    if not ACKNOWLEDGED_BY_THE_UPDATE:
+        # The retried flow ran one batch: the next update reads what it left and ACCEPTs that batch; its own
+        # batch waits for the update after it.
+        before = set(_keys(pipeline.table("orders")))
+        again = pipeline.run()
+        assert again.completed(), f"the next update failed (exit {again.returncode}):\n{again.output[-4000:]}"
+        last = set(_keys(pipeline.table("orders"))) - before
     report = check_no_loss(ids, _keys(pipeline.table("orders")), rejected=_set_aside(pipeline),
                            duplicates_reason="records the failed flow had acquired, delivered again")
-    _nothing_left(kafka, pipeline.group, topic)
+    _nothing_left(kafka, pipeline.group, topic, but=last)
     print(f"after the flow's retry: {report}")

@@ -96,7 +96,9 @@ def test_a_batch_run_again_after_a_lost_driver_carries_the_same_records(kafka):
     reader = reader_for(kafka, group, w.topic)
     try:
         start = reader.initialOffset()
-        # A restart: Spark first runs batch 0 again (offsets/0 is in its log, commits/0 is not).
+        # A restart: Spark first runs batch 0 again (offsets/0 is in its log, commits/0 is not). Spark < 4.2
+        # first names the offset log's last batch, committed or not (PySpark 4.1.4 measured).
+        assert reader.partitions(end0, end0) == []
         again = read(reader, start, end0)
         assert sorted(again) == sorted(first), "the replayed batch 0 carried other records than its first run"
         status = reader._tracker.status()
