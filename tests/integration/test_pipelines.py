@@ -34,8 +34,6 @@ from spark_share import spark_versions
 
 pytestmark = [
     pytest.mark.slow,
-    # Spark 4.1 has pipelines but runs a Python source's flow as one batch and ends it with no signal
-    # spark-share can see: each update's records are released and read again (docs/deploy.md).
     pytest.mark.skipif(not spark_versions.PIPELINES, reason="declarative pipelines came with Spark 4.1"),
 ]
 # Spark >= 4.2 runs an update's flow to the end and commits its batches where spark-share sees it; 4.1 does not.
