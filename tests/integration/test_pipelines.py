@@ -61,12 +61,14 @@ def _valid(table, valid: bool) -> set[int]:
     return {int(r["key"]) for r in rows if r["valid"] is valid}
 
 
-def _nothing_left(kafka, group: str, topic: str, but: set[int] = frozenset()) -> None:
+def _nothing_left(kafka, group: str, topic: str, but: set[int] = frozenset(), update=None) -> None:
     """What the update wrote was acknowledged: the group hands out none of it again (a record the update
     released, or held when its processes ended, is available again and would be in the broker's answer),
-    except records of ``but``."""
+    except records of ``but``. The failure shows ``update``'s spark_share log lines, if given."""
     left = [r for r in drain_share_group(kafka, group, [topic], timeout=8.0) if _key_of(r) not in but]
-    assert not left, f"{len(left)} records still queued after the update, e.g. {left[:3]}"
+    logs = "".join("\n" + line for line in update.output.splitlines() if "spark_share" in line) if update else ""
+    assert not left, (f"{len(left)} records still queued after the update (partitions {sorted({r[1] for r in left})}), "
+                      f"e.g. {left[:3]}{logs}")
 
 
 def _key_of(record) -> int:
@@ -183,7 +185,7 @@ def test_an_update_killed_mid_flow_loses_nothing_when_run_again(kafka, produce, 
     update = pipeline.run()
     assert update.completed(), f"the update after the kill failed (exit {update.returncode}):\n{update.output[-4000:]}"
     if ACKNOWLEDGED_BY_THE_UPDATE:
-        _nothing_left_after(kafka, pipeline, update)
+        _nothing_left(kafka, pipeline.group, topic, update=update)
     # On the embedded broker each consumer that joins ends every share session: the killed update's four
     # joining consumers can bring a partition's records to maxDeliveryCount (4), and they are set aside.
     report = check_no_loss(ids, _keys(pipeline.table("orders")), rejected=_set_aside(pipeline),
@@ -199,14 +201,7 @@ def test_an_update_killed_mid_flow_loses_nothing_when_run_again(kafka, produce, 
     assert REGISTER_KEPT in update.output and REGISTER_KEPT in again.output, again.output[-3000:]
     assert pipeline.table("orders").num_rows == rows, "an update with nothing queued wrote rows"
     if not ACKNOWLEDGED_BY_THE_UPDATE:  # the rerun's batch came back to this update, which ACCEPTed it
-        _nothing_left_after(kafka, pipeline, again)
-
-
-def _nothing_left_after(kafka, pipeline, update) -> None:
-    left = drain_share_group(kafka, pipeline.group, [pipeline.topic], timeout=8.0)
-    assert not left, (f"the update ended with {len(left)} records still queued (partitions "
-                      f"{sorted({r[1] for r in left})}):\n" + "\n".join(
-                          line for line in update.output.splitlines() if "spark_share" in line))
+        _nothing_left(kafka, pipeline.group, topic, update=again)
 
 
 def _closed_port() -> int:
