@@ -191,7 +191,7 @@ class SessionPool:
             # A session carrying records (acquired beyond a batch's size) keeps its size until it has
             # handed them out: closing it would release them, and every release counts as a delivery.
             free = [s for s in self._free() if not s.carrying]
-            shrink = any(s.max_poll_records > want for s in free)
+            shrink = max_records is not None and any(s.max_poll_records > want for s in free)  # None: no cap
             grow = len(free) == len(self.sessions) and any(s.max_poll_records < want for s in free)
             if not (shrink or grow):
                 return
@@ -201,6 +201,24 @@ class SessionPool:
         wait_futures([s.close() for s in free], timeout=30)
         self.start(len(free), None if want == self.full_size else want)
         log.info("%s: batch size changed: polls now take at most %d records", self.name, want)
+
+    def fit(self, records: int) -> None:
+        """Sessions whose polls take ``records`` or more, for a replayed batch: the client polls a session again
+        only once its last poll is acknowledged, so each session gets one poll of the batch, and a broker may
+        hand one member all of its records (the embedded one gives each partition to one member). Only while
+        no session holds or carries records (a replay is a run's first batch); the next batch's budget
+        brings them back to size."""
+        with self._resize_lock:
+            with self._lock:
+                free = [s for s in self._free() if not s.carrying]
+                if len(free) != len(self.sessions) or all(s.max_poll_records >= records for s in free):
+                    return
+                for s in free:
+                    self.sessions.remove(s)
+                    self._last_taken.pop(s.session_id, None)
+            wait_futures([s.close() for s in free], timeout=30)
+            self.start(len(free), records)
+            log.info("%s: polls take up to %d records for a replayed batch", self.name, records)
 
     def prefetch(self, batch: int, count: int, max_records: int | None, poll_timeout_ms: int,
                  carry_ms: float | None = None) -> int:

@@ -111,6 +111,7 @@ class DriverReads:
                          "the replay waits %.0f s for the group to drop them", batch, gone_ms / 1000)
                 self._closing.wait(gone_ms / 1000)
             wait_ms = max(self._opts.poll_timeout_ms, int(tracker.policy.lock_ms))
+            self._agent.result(timeout=120).pool.fit(len(wanted))  # polls smaller than the batch would miss some
             parts = self._read(b.batch, tracker.slot_budgets(b), wait_ms)
         finally:
             sorter.replayed(batch)

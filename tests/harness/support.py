@@ -402,14 +402,20 @@ def runner_processes() -> list[psutil.Process]:
 
 
 def tracker_log(q) -> str:
-    """The log of the tracker that served query ``q`` (logs of other runs are left alone)."""
-    from spark_share.runtime import runtime_dir
+    """The log of the tracker that served query ``q``'s latest run: the one its last progress names, else the
+    newest log naming the query (a restarted query has a log per run, all naming it)."""
+    from spark_share.offsets import from_progress
+    from spark_share.runtime import runtime_dir, tracker_log_path
 
-    for path in glob.glob(os.path.join(runtime_dir(), "tracker-*.log")):
-        text = open(path).read()
-        if f"serves query {q.id}" in text:
-            return text
-    raise AssertionError(f"no tracker log names query {q.id}")
+    latest = q.recentProgress[-1]["sources"][0]["endOffset"] if q.recentProgress else None
+    run = (from_progress(latest) or {}).get("run") if isinstance(latest, str) else None
+    if run and os.path.exists(tracker_log_path(run)):
+        return open(tracker_log_path(run)).read()
+    naming = [p for p in glob.glob(os.path.join(runtime_dir(), "tracker-*.log"))
+              if f"serves query {q.id}" in open(p).read()]
+    if not naming:
+        raise AssertionError(f"no tracker log names query {q.id}")
+    return open(max(naming, key=os.path.getmtime)).read()
 
 
 def kill(procs: Iterable[psutil.Process], timeout: float = 15.0) -> int:

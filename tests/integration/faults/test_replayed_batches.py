@@ -55,10 +55,10 @@ def lost_driver(kafka, group: str, topic: str) -> tuple[dict, list[int]]:
     return end, ids
 
 
-def reader_for(kafka, group: str, topic: str) -> ShareStreamReader:
-    """The source as Spark has it (no maxRecordsPerTrigger: ``drain`` asks for every record available)."""
+def reader_for(kafka, group: str, topic: str, **options: str) -> ShareStreamReader:
+    """The source as Spark has it (no maxRecordsPerTrigger unless given: ``drain`` asks for every record available)."""
     return ShareStreamReader(parse_options({**kafka_options(kafka), "kafka.group.id": group, "subscribe": topic,
-                                            "numPartitions": "2"}))
+                                            "numPartitions": "2", **options}))
 
 
 def read(reader, start, end) -> list[int]:
@@ -109,6 +109,34 @@ def test_a_batch_run_again_after_a_lost_driver_carries_the_same_records(kafka):
         reader.stop()
     assert not set(rest) & set(first), "records of batch 0 came back in a later batch"
     assert check_no_loss(w.ids, again + rest).duplicates == 0
+
+
+def test_a_batch_run_again_under_a_smaller_maxrecordspertrigger_still_carries_all_its_records(kafka):
+    """A restart with a smaller maxRecordsPerTrigger: the replayed batch is the earlier run's, bigger than the
+    new polls. Each session polls once per batch (the client polls again only after an acknowledgement), and
+    the embedded broker gives a partition to one member, so polls of the new size would miss most of it."""
+    w = Workload(kafka, "resized", partitions=2)
+    w.produce(300)
+    group = kafka.group(gid())
+    earlier = reader_for(kafka, group, w.topic)
+    try:
+        start = earlier.initialOffset()
+        end0 = earlier.latestOffset(start, ReadAllAvailable())
+        first = read(earlier, start, end0)
+    finally:
+        earlier.stop()  # batch 0 uncommitted: released, and the run's end says its consumers closed
+    assert sorted(first) == sorted(w.ids), "the first run's batch 0 should take every record"
+
+    reader = reader_for(kafka, group, w.topic, maxRecordsPerTrigger="50")
+    try:
+        again = read(reader, reader.initialOffset(), end0)
+        replayed = [b for b in reader._tracker.status()["batches"] if b["batch"] == 0][0]
+        reader.commit(end0)
+    finally:
+        reader.stop()
+    assert replayed["replay"] == {"wanted": len(first), "missing": 0}, replayed
+    assert sorted(again) == sorted(first), f"the replayed batch 0 carried {len(again)} of its {len(first)} records"
+    assert not drain_share_group(kafka, group, [w.topic], timeout=5), "records were left in the group"
 
 
 def test_records_of_a_committed_batch_are_accepted_when_they_come_back_never_emitted(kafka):
