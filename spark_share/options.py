@@ -166,7 +166,9 @@ OPTIONS: tuple[Option, ...] = (
            "partitions x this caps a batch; each consumer's polls are sized to its share of that budget (and "
            "of `maxRecordsPerTrigger`; a `kafka.max.poll.records` you give caps them). Default: the source "
            "asks the broker once at start (`describe_configs`, needs DescribeConfigs on the cluster), else "
-           "Kafka's default 2000; set it when that is refused or the group has its own cap (Kafka >= 4.3)"),
+           "Kafka's default 2000; the group's own `share.partition.max.record.locks` (Kafka >= 4.3) comes before the "
+           "broker's; set the option when describing configs is refused (docs/performance.md, \"The group's "
+           "record-lock budget\")"),
     Option("trackerPort", "tracker_ports", "0", port_range,
            "the port (`40100`) or port range (`40100-40199`) where the driver side listens for the "
            "executors' agents, for firewalled clusters; `0`: any free port"),

@@ -146,7 +146,7 @@ class Tracker(TrackerRequests, TrackerReports, TrackerReplays):
         """Slots from the partitions, and the lock budget and duration from the options or the broker."""
         opts, partitions = self.opts, len(self.metadata.partitions)
         parallelism = os.environ.get(PARALLELISM_ENV)
-        broker_locks, lock_ms, max_members, session_ms = self.metadata.share_limits()
+        broker_locks, lock_ms, max_members, session_ms, group_locks = self.metadata.share_limits()
         slots = default_slots(partitions, parallelism)
         if max_members is not None:
             if opts.num_partitions is not None and opts.num_partitions > max_members:
@@ -164,7 +164,8 @@ class Tracker(TrackerRequests, TrackerReports, TrackerReplays):
         self.session_ms = session_ms
         locks, said = opts.max_record_locks, "option maxRecordLocks"
         if locks is None:
-            locks, said = broker_locks, "the broker's group.share.partition.max.record.locks"
+            locks, said = broker_locks, ("the group's share.partition.max.record.locks" if group_locks
+                                         else "the broker's group.share.partition.max.record.locks")
         if locks is None:
             locks, said = DEFAULT_RECORD_LOCKS, "Kafka's default (the broker did not say; set maxRecordLocks)"
         self.policy.record_locks = locks
@@ -172,8 +173,12 @@ class Tracker(TrackerRequests, TrackerReports, TrackerReplays):
                  self.tracker_id, opts.group_id, list(opts.topics), partitions, self.policy.num_slots, *self.address)
         log.info("record locks per partition: %d, from %s: the group may hold about %d records at once, so a "
                  "batch reaches about that many (%d per consumer's poll; the broker hands out whole producer "
-                 "batches, so a batch can pass it by up to one of those per partition)",
-                 locks, said, self.policy.lock_budget, self.policy.poll_size(None))
+                 "batches, so a batch can pass it by up to one of those per partition). A record stays locked "
+                 "until Spark commits its batch, so the query reads at most that many records per batch's time; "
+                 "raise it for this group with kafka-configs.sh --entity-type groups --entity-name %s --alter "
+                 "--add-config share.partition.max.record.locks=N (Kafka 4.3+, within the broker's "
+                 "group.share.max.partition.max.record.locks), or on the brokers",
+                 locks, said, self.policy.lock_budget, self.policy.poll_size(None), opts.group_id)
         log.info("record lock duration: %.0f ms, %s", self.policy.lock_ms,
                  "the group's share.record.lock.duration.ms" if lock_ms is not None
                  else "Kafka's default (the broker did not say)")

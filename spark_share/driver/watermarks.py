@@ -39,7 +39,8 @@ MIN_INTERVAL_S = 0.25
 REFRESH_DUTY = 0.1
 
 log = logging.getLogger("spark_share.driver.tracker")
-RECORD_LOCKS_CONFIG = "group.share.partition.max.record.locks"
+RECORD_LOCKS_CONFIG = "group.share.partition.max.record.locks"  # the default of groups that set none
+GROUP_RECORD_LOCKS_CONFIG = "share.partition.max.record.locks"  # the group's own (Kafka 4.3+, KIP-1240)
 GROUP_LOCK_CONFIG = "share.record.lock.duration.ms"  # the group's own
 BROKER_LOCK_CONFIG = "group.share.record.lock.duration.ms"  # the default of groups that set none
 MAX_MEMBERS_CONFIG = "group.share.max.size"  # members a share group may have (Kafka: 200 by default)
@@ -52,6 +53,7 @@ class ShareLimits(NamedTuple):
     lock_ms: int | None
     max_members: int | None
     session_ms: int | None
+    group_record_locks: int | None = None  # the group's own, where it set one (record_locks is then that)
 
 
 def _int(entry) -> int | None:
@@ -117,9 +119,9 @@ class MetadataWatcher:
         self._thread.start()
 
     def share_limits(self, timeout_s: float = 10.0) -> ShareLimits:
-        """What the cluster says of the group, asked once when the query starts: the broker's
-        ``group.share.partition.max.record.locks`` (records of a partition the group may have in
-        flight), the group's record lock duration in ms (its ``share.record.lock.duration.ms``, else the
+        """What the cluster says of the group, asked once when the query starts: the records of a partition
+        the group may have in flight (the group's ``share.partition.max.record.locks``, Kafka 4.3+, else the
+        broker's ``group.share.partition.max.record.locks``), the group's record lock duration in ms (its ``share.record.lock.duration.ms``, else the
         broker's ``group.share.record.lock.duration.ms``) and the broker's ``group.share.max.size``
         (members a share group may have) and the group's session timeout (how long a lost member keeps its
         partitions). None where the cluster does not say (no DescribeConfigs
@@ -132,10 +134,13 @@ class MetadataWatcher:
         if broker is None:  # the embedded broker, or no permission: the group will not answer either
             return ShareLimits(None, None, None, None)
         group = self._configs(ConfigResource(ResourceType.GROUP, self._opts.group_id), timeout_s) or {}
-        return ShareLimits(_int(broker.get(RECORD_LOCKS_CONFIG)),
+        own = group.get(GROUP_RECORD_LOCKS_CONFIG)
+        own_locks = None if own is None or getattr(own, "is_default", False) else _int(own)
+        return ShareLimits(own_locks or _int(broker.get(RECORD_LOCKS_CONFIG)),
                            _int(group.get(GROUP_LOCK_CONFIG)) or _int(broker.get(BROKER_LOCK_CONFIG)),
                            _int(broker.get(MAX_MEMBERS_CONFIG)),
-                           _int(group.get(GROUP_SESSION_CONFIG)) or _int(broker.get(BROKER_SESSION_CONFIG)))
+                           _int(group.get(GROUP_SESSION_CONFIG)) or _int(broker.get(BROKER_SESSION_CONFIG)),
+                           own_locks)
 
     def _configs(self, resource, timeout_s: float) -> dict | None:
         try:

@@ -28,6 +28,7 @@ from spark_share.driver.watermarks import (
     BROKER_LOCK_CONFIG,
     BROKER_SESSION_CONFIG,
     GROUP_LOCK_CONFIG,
+    GROUP_RECORD_LOCKS_CONFIG,
     MAX_MEMBERS_CONFIG,
     RECORD_LOCKS_CONFIG,
     MetadataWatcher,
@@ -115,7 +116,8 @@ class FakeAdmin:
             if isinstance(answer, Exception) or answer is None:
                 f.set_exception(answer or KafkaException("UNSUPPORTED_VERSION"))
             else:
-                f.set_result({k: SimpleNamespace(name=k, value=v) for k, v in answer.items()})
+                f.set_result({k: v if isinstance(v, SimpleNamespace) else SimpleNamespace(name=k, value=v)
+                              for k, v in answer.items()})
             out[r] = f
         return out
 
@@ -350,7 +352,7 @@ def test_share_limits_from_the_broker_and_the_group(cluster, watch):
     cluster.configs[("BROKER", "1")] = {RECORD_LOCKS_CONFIG: "2000", BROKER_LOCK_CONFIG: "30000"}
     cluster.configs[("GROUP", "orders-group")] = {GROUP_LOCK_CONFIG: "15000"}
     w = watch()
-    assert w.share_limits(timeout_s=1) == (2000, 15000, None, None)
+    assert w.share_limits(timeout_s=1) == (2000, 15000, None, None, None)
     (admin,) = cluster.admins
     assert admin.asked == [("BROKER", "1"), ("GROUP", "orders-group")]  # the first broker, then the group
     assert "group.id" not in admin.conf and SECRET in admin.conf.values(), "the admin client needs the credentials"
@@ -363,15 +365,27 @@ def test_a_group_without_its_own_lock_gets_the_brokers_default(cluster, watch):
     cluster.configs[("BROKER", "1")] = {RECORD_LOCKS_CONFIG: "500", BROKER_LOCK_CONFIG: "30000",
                                         MAX_MEMBERS_CONFIG: "200"}
     cluster.configs[("GROUP", "orders-group")] = {GROUP_LOCK_CONFIG: ""}
-    assert watch().share_limits(timeout_s=1) == (500, 30000, 200, None)
+    assert watch().share_limits(timeout_s=1) == (500, 30000, 200, None, None)
     cluster.configs.pop(("GROUP", "orders-group"))  # no permission to describe the group
-    assert watch().share_limits(timeout_s=1) == (500, 30000, 200, None)
+    assert watch().share_limits(timeout_s=1) == (500, 30000, 200, None, None)
+
+
+def test_a_groups_own_record_locks_come_before_the_brokers(cluster, watch):
+    """Kafka 4.3+ (KIP-1240): share.partition.max.record.locks per group, within the broker's bounds. A value
+    the broker reports as the default is not the group's own."""
+    cluster.configs[("BROKER", "1")] = {RECORD_LOCKS_CONFIG: "2000", BROKER_LOCK_CONFIG: "30000"}
+    cluster.configs[("GROUP", "orders-group")] = {GROUP_RECORD_LOCKS_CONFIG: "8000"}
+    assert watch().share_limits(timeout_s=1) == (8000, 30000, None, None, 8000)
+    cluster.configs[("GROUP", "orders-group")] = {
+        GROUP_RECORD_LOCKS_CONFIG: SimpleNamespace(name=GROUP_RECORD_LOCKS_CONFIG, value="2000", is_default=True)}
+    cluster.configs[("BROKER", "1")][RECORD_LOCKS_CONFIG] = "3000"
+    assert watch().share_limits(timeout_s=1) == (3000, 30000, None, None, None)
 
 
 def test_limits_the_cluster_does_not_say_are_none(cluster, watch):
     # The embedded broker does not implement DescribeConfigs (nor does a user without the permission).
-    assert watch().share_limits(timeout_s=1) == (None, None, None, None)
+    assert watch().share_limits(timeout_s=1) == (None, None, None, None, None)
     cluster.configs[("BROKER", "1")] = {RECORD_LOCKS_CONFIG: "many", BROKER_LOCK_CONFIG: "30000"}
-    assert watch().share_limits(timeout_s=1) == (None, 30000, None, None)
+    assert watch().share_limits(timeout_s=1) == (None, 30000, None, None, None)
     cluster.brokers = {}
-    assert watch().share_limits(timeout_s=1) == (None, None, None, None)
+    assert watch().share_limits(timeout_s=1) == (None, None, None, None, None)
