@@ -206,8 +206,8 @@ class SessionPool:
         """Sessions whose polls take ``records`` or more, for a replayed batch: the client polls a session again
         only once its last poll is acknowledged, so each session gets one poll of the batch, and a broker may
         hand one member all of its records (the embedded one gives each partition to one member). Only while
-        no session holds or carries records (a replay is a run's first batch); the next batch's budget
-        brings them back to size."""
+        no session holds or carries records (a replay is a run's first batch); a later batch with a cap per
+        consumer (``maxRecordsPerTrigger``, or the lock-safe size after an expiry) brings them back to it."""
         with self._resize_lock:
             with self._lock:
                 free = [s for s in self._free() if not s.carrying]
