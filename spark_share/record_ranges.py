@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import bisect
 import threading
+import time
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -213,6 +214,8 @@ class RecordSorter:
         self._accepting: dict[int, RecordRanges] = {}  # batch -> its records whose ACCEPT is on its way
         self.replays: dict[int, RecordRanges] = {}
         self._missing: dict[int, int] = {}  # replayed batch -> how many of its records no poll brought yet
+        self._hold_s: dict[int, float] = {}  # replayed batch -> how long it may wait once it holds records
+        self._holding_since: dict[int, float] = {}  # replayed batch -> when a poll first brought some of them
         self.accepted_again = 0  # records of a committed batch that came back and were ACCEPTed unseen
 
     @property
@@ -247,19 +250,24 @@ class RecordSorter:
             out = out.union(ranges)
         self.committed = out
 
-    def replay(self, batch: int, ranges: RecordRanges) -> None:
+    def replay(self, batch: int, ranges: RecordRanges, hold_s: float = float("inf")) -> None:
+        """Batch ``batch`` is replayed with ``ranges``; once a poll brought some of them, the others are waited
+        for ``hold_s`` at most (the ones brought are locked meanwhile, and Spark must still process them)."""
         with self._lock:
             self.replays[batch] = ranges
             self._missing[batch] = len(ranges)
+            self._hold_s[batch] = hold_s
 
     def replayed(self, batch: int) -> None:
         with self._lock:
-            self.replays.pop(batch, None)
-            self._missing.pop(batch, None)
+            for d in (self.replays, self._missing, self._hold_s, self._holding_since):
+                d.pop(batch, None)
 
     def waiting(self, batch: int) -> bool:
-        """Is ``batch`` being replayed with records no poll has brought yet?"""
-        return self._missing.get(batch, 0) > 0
+        """Is ``batch`` being replayed with records no poll has brought yet, and may it wait for them?"""
+        since = self._holding_since.get(batch)
+        return self._missing.get(batch, 0) > 0 and (
+            since is None or time.monotonic() - since < self._hold_s.get(batch, float("inf")))
 
     def wanted(self, batch: int) -> RecordRanges | None:
         return self.replays.get(batch)
@@ -289,7 +297,8 @@ class RecordSorter:
         later = ~mine & ~done
         with self._lock:
             self.accepted_again += int(done.sum())
-            if batch in self._missing:
+            if batch in self._missing and mine.any():
                 self._missing[batch] -= int(mine.sum())
+                self._holding_since.setdefault(batch, time.monotonic())
         pick = lambda flags: [msg for msg, f in zip(msgs, flags.tolist()) if f]  # noqa: E731
         return pick(mine), pick(done), pick(later)

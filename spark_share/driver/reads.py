@@ -89,7 +89,9 @@ class DriverReads:
         names (what else it acquires waits, still acquired, for the next batch); what did not come back is
         counted."""
         sorter = self.sorter
-        sorter.replay(batch, wanted)  # before the ledger has the batch: nothing polls for it unsorted
+        # Before the ledger has the batch: nothing polls for it unsorted. Once some of its records came, the
+        # rest are waited for half a lock at most: the ones held must not expire before Spark commits them.
+        sorter.replay(batch, wanted, hold_s=tracker.policy.lock_ms / 2000)
         try:
             b = tracker.replay(batch, wanted)
             if b is None:  # stopping
@@ -98,17 +100,19 @@ class DriverReads:
             # share session's records then) or its lock expired, to a member given its partition. A run that
             # was lost (not stopped) keeps its members, and their partitions, until the group's session
             # timeout: a poll before then fills its consumer with later records of the partitions it has and
-            # may not poll again, so the replay waits that long first (a record lock where the cluster does
-            # not say). Then the polls wait up to a record lock for every record the offset names.
+            # may not poll again, so the replay waits that long first, and a record lock at least (the records
+            # it held stay locked until then). Then the polls wait up to a record lock for the first of the
+            # records the offset names, and half a lock more for the rest once some came.
             # A run of this host still stopping (Spark restarts a failed query at once) releases what it holds
             # in a moment: the replay waits for it.
             stopping_until = time.monotonic() + EARLIER_STOP_WAIT_S
             while tracker.earlier_run(run) == "running" and time.monotonic() < stopping_until:
                 self._closing.wait(0.05)
-            if tracker.earlier_run(run) != "closed":
-                gone_ms = (tracker.session_ms or int(tracker.policy.lock_ms)) + REPLAY_JOIN_MS
+            if tracker.earlier_run(run) != "closed":  # its members leave, and its records' locks expire
+                gone_ms = max(tracker.session_ms or 0, int(tracker.policy.lock_ms)) + REPLAY_JOIN_MS
                 log.info("batch %d: the run that planned it may have been lost with its consumers in the group; "
-                         "the replay waits %.0f s for the group to drop them", batch, gone_ms / 1000)
+                         "the replay waits %.0f s for the group to drop them and for their locks to expire", batch,
+                         gone_ms / 1000)
                 self._closing.wait(gone_ms / 1000)
             wait_ms = max(self._opts.poll_timeout_ms, int(tracker.policy.lock_ms))
             self._agent.result(timeout=120).pool.fit(len(wanted))  # polls smaller than the batch would miss some

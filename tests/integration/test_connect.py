@@ -332,6 +332,13 @@ def test_bad_verdicts_are_the_classic_errors(remote, kafka, tmp_path):
     assert "SPARK_SHARE_RUNTIME_DIR" in found["not_ours"]
 
 
+def _replay_missing(query_id: str) -> int:
+    """Records the replays of query ``query_id``'s runs reported missing (the trackers run on this host)."""
+    logs = [open(p).read() for p in glob.glob(os.path.join(runtime.runtime_dir(), "tracker-*.log"))]
+    return sum(int(n) for text in logs if f"serves query {query_id}" in text
+               for n in re.findall(r"(\d+) of its \d+ records were not delivered to this query again", text))
+
+
 def _write_once(batch, batch_id, root) -> None:
     """An idempotent sink, as Delta's txnVersion makes one: ``root/batch_id=N`` written once, a batch id it
     has skipped (on the server, which shares this host's file system)."""
@@ -346,7 +353,8 @@ def test_failure_stop_and_restart_lose_nothing(remote, kafka, tmp_path, read_mod
     """foreachBatch raises after writing its batch (the query fails, the rows come back); a restart
     from the checkpoint goes on; a stop mid-batch releases what the batch held. Each batch goes to an
     append sink and to an idempotent one: with readMode=driver Spark's replays of the failed and the stopped
-    batch carry the same records, so the idempotent sink gets every record once."""
+    batch carry the same records, so the idempotent sink gets every record once (but for what a replay
+    reports missing: it comes in a later batch)."""
     w = Workload(kafka, "jobs", partitions=2)
     ids = w.produce(300)
     out, marks, group, ck = str(tmp_path / "out"), str(tmp_path / "marks"), kafka.group(gid()), str(tmp_path / "ck")
@@ -394,7 +402,11 @@ def test_failure_stop_and_restart_lose_nothing(remote, kafka, tmp_path, read_mod
     assert report.duplicates >= len(first), "the failed batch's rows were not delivered again"
     idempotent = check_no_loss(ids, _parquet_ids(once))
     if read_mode == "driver":
-        assert idempotent.duplicates == 0, f"a replayed batch carried other records: {idempotent}"
+        # What a replay did not get back (its tracker names and counts them) comes in a later batch: only those
+        # reach the idempotent sink twice. The embedded broker showed it once in CI (50 of a replay's 100).
+        missing = _replay_missing(str(q.id))
+        assert idempotent.duplicates == missing, f"a replayed batch carried other records: {idempotent}, " \
+                                                 f"{missing} reported missing by the replays"
     final = wait_until(lambda: (lambda f: f if f and f["tracker"] != stopped["tracker"] else None)(
         runtime.read_json(runtime.final_counts_path(str(q.id)))), timeout=30, message="the drain left no final counts")
     assert final["waitedForLockedRecords"] is False, \

@@ -79,8 +79,10 @@ def test_job_end_to_end_on_the_embedded_broker(spark, kafka, tmp_path, capsys):
     # Both runs pay the same start-up (query, agents, a first batch); the second, with nothing to read, must
     # not wait beyond the first (idle probes, acknowledgement timeouts, a record lock: 5-30 s each), and it
     # needs one batch at most. (A drain confirms every partition empty by a poll of its own: an empty
-    # run can take a second empty batch, about a second; 0.7 of the first run was too tight for that.)
-    assert s2.batches <= 1 and second < first, f"second run {second:.1f} s, first {first:.1f} s"
+    # run can take a second empty batch, about a second; 0.7 of the first run was too tight for that, and on
+    # PySpark 4.1.4 under load the empty run once took 5.2 s against the first's 4.8 s: the bound is the
+    # first run plus less than the shortest of those waits.)
+    assert s2.batches <= 1 and second < first + 4, f"second run {second:.1f} s, first {first:.1f} s"
 
 
 @pytest.mark.slow

@@ -110,6 +110,29 @@ def test_a_session_sorts_a_poll_into_the_batchs_the_committed_and_the_next_batch
     assert sorter.wanted(8) is None and len(sorter.sort(8, poll)[0]) == len(poll) - 4
 
 
+def test_a_replay_waits_for_its_missing_records_only_while_the_ones_it_holds_keep_their_lock(monkeypatch):
+    """Once a poll brought some of a replayed batch's records, their lock runs: the others are waited for
+    ``hold_s`` at most, so that the batch reaches Spark before the held ones expire."""
+    now = [100.0]
+    monkeypatch.setattr("spark_share.record_ranges.time.monotonic", lambda: now[0])
+    sorter = RecordSorter()
+    sorter.replay(4, RecordRanges({("t", 0): [(0, 9)], ("t", 1): [(0, 9)]}), hold_s=15.0)
+    now[0] += 40  # nothing brought yet (a lost run's records come back when their lock expires): still waiting
+    assert sorter.waiting(4)
+    sorter.sort(4, [Msg("t", 0, o) for o in range(10)])
+    now[0] += 14.9
+    assert sorter.waiting(4)
+    now[0] += 0.2
+    assert not sorter.waiting(4), "the held records' lock runs: the replay goes on without partition 1"
+    sorter.sort(4, [Msg("t", 1, o) for o in range(10)])
+    assert not sorter.waiting(4)
+    sorter.replayed(4)
+    sorter.replay(5, RecordRanges({("t", 0): [(0, 1)]}))
+    assert sorter.waiting(5)
+    sorter.sort(5, [Msg("t", 0, 0), Msg("t", 0, 1)])
+    assert not sorter.waiting(5), "every record came"
+
+
 def test_a_batch_being_accepted_is_committed_until_the_broker_took_it_and_for_good_if_it_refused():
     """While a committed batch's ACCEPTs are on their way, a record of it that comes back (its lock expired
     before the commit) is ACCEPTed unseen; once the broker took them all the set forgets the batch (an ACCEPTed
