@@ -176,8 +176,7 @@ class Tracker(TrackerRequests, TrackerReports, TrackerReplays):
                  "batches, so a batch can pass it by up to one of those per partition). A record stays locked "
                  "until Spark commits its batch, so the query reads at most that many records per batch's time; "
                  "raise it for this group with kafka-configs.sh --entity-type groups --entity-name %s --alter "
-                 "--add-config share.partition.max.record.locks=N (Kafka 4.3+, within the broker's "
-                 "group.share.max.partition.max.record.locks), or on the brokers",
+                 "--add-config share.partition.max.record.locks=N (Kafka 4.3+), or on the brokers",
                  locks, said, self.policy.lock_budget, self.policy.poll_size(None), opts.group_id)
         log.info("record lock duration: %.0f ms, %s", self.policy.lock_ms,
                  "the group's share.record.lock.duration.ms" if lock_ms is not None

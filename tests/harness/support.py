@@ -405,17 +405,24 @@ def tracker_log(q) -> str:
     """The log of the tracker that served query ``q``'s latest run: the one its last progress names, else the
     newest log naming the query (a restarted query has a log per run, all naming it)."""
     from spark_share.offsets import from_progress
-    from spark_share.runtime import runtime_dir, tracker_log_path
+    from spark_share.runtime import tracker_log_path
 
     latest = q.recentProgress[-1]["sources"][0]["endOffset"] if q.recentProgress else None
     run = (from_progress(latest) or {}).get("run") if isinstance(latest, str) else None
     if run and os.path.exists(tracker_log_path(run)):
         return open(tracker_log_path(run)).read()
-    naming = [p for p in glob.glob(os.path.join(runtime_dir(), "tracker-*.log"))
-              if f"serves query {q.id}" in open(p).read()]
+    naming = query_tracker_logs(str(q.id))
     if not naming:
         raise AssertionError(f"no tracker log names query {q.id}")
     return open(max(naming, key=os.path.getmtime)).read()
+
+
+def query_tracker_logs(query_id: str) -> list[str]:
+    """The paths of the logs of every tracker (every run) that served query ``query_id`` on this host."""
+    from spark_share.runtime import runtime_dir
+
+    return [p for p in glob.glob(os.path.join(runtime_dir(), "tracker-*.log"))
+            if f"serves query {query_id}" in open(p).read()]
 
 
 def kill(procs: Iterable[psutil.Process], timeout: float = 15.0) -> int:

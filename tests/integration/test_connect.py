@@ -334,9 +334,8 @@ def test_bad_verdicts_are_the_classic_errors(remote, kafka, tmp_path):
 
 def _replay_missing(query_id: str) -> int:
     """Records the replays of query ``query_id``'s runs reported missing (the trackers run on this host)."""
-    logs = [open(p).read() for p in glob.glob(os.path.join(runtime.runtime_dir(), "tracker-*.log"))]
-    return sum(int(n) for text in logs if f"serves query {query_id}" in text
-               for n in re.findall(r"(\d+) of its \d+ records were not delivered to this query again", text))
+    return sum(int(n) for path in support.query_tracker_logs(query_id)
+               for n in re.findall(r"(\d+) of its \d+ records were not delivered to this query again", open(path).read()))
 
 
 def _write_once(batch, batch_id, root) -> None:
