@@ -21,8 +21,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 from ..acknowledgement import ACCEPT, RELEASE, AckOutcome
@@ -66,6 +67,9 @@ JOIN_GRACE_S = 8.0
 # A replayed batch's poll that brought none of its records polls again in slices of this long, so that it
 # ends soon after the other sessions' polls brought them all.
 REPLAY_SLICE_MS = 500
+# How long a session holding records waits, as the agent stops, for the ones holding none to close first
+# (SessionPool.close_all): a close takes about 0.1 s, longer only while the broker cannot be reached.
+CLOSE_AFTER_S = 5.0
 
 
 class ShareSession:
@@ -84,7 +88,7 @@ class ShareSession:
         self.holding: Holding | None = None
         self._carried: list = []  # acquired by the last poll beyond its batch's size: the next poll's records
         self._carried_at = 0.0  # time.time() of the poll that acquired them
-        self.released_carried = 0  # carried records given back because they grew too old
+        self.released_old = 0  # records given back before any batch saw them, because they grew too old
         self.polls = 0
         self.created_at = time.monotonic()
         self._scrub = scrub
@@ -194,9 +198,10 @@ class ShareSession:
         ``timeout_s``; False after it). Serves the consumer's queue meanwhile, acquiring nothing."""
         return self._submit(lambda: self._wait_joined(timeout_s))
 
-    def close(self) -> Future:
-        """Release what is held (close() does) and leave the group."""
-        fut = self._submit(self._close)
+    def close(self, after: Sequence[Future] = ()) -> Future:
+        """Release what is held (close() does) and leave the group; first wait, at most CLOSE_AFTER_S, for
+        ``after`` (other sessions' closing)."""
+        fut = self._submit(lambda: self._close(after))
         self._closed = True
         self._queue.put(None)
         return fut
@@ -245,7 +250,7 @@ class ShareSession:
             msgs, drained, answered = good, True, frozenset[tuple[str, int]]()
             later: list = []
         else:
-            msgs, good, later, drained, answered, acquired_at = self._fetch_sorted(batch, timeout_ms)
+            msgs, good, later, drained, answered, acquired_at = self._fetch_sorted(batch, timeout_ms, carry_ms)
         self._carried = []
         if max_records is not None and len(good) > max_records and more is not None:
             max_records += max(0, min(len(good) - max_records, more(len(good) - max_records)))
@@ -263,9 +268,11 @@ class ShareSession:
             self.holding = holding
         return rb, holding
 
-    def _fetch_sorted(self, batch: int, timeout_ms: int) -> tuple[list, list, list, bool, frozenset, float]:
+    def _fetch_sorted(self, batch: int, timeout_ms: int,
+                      stale_ms: float | None = None) -> tuple[list, list, list, bool, frozenset, float]:
         """One poll of the broker for ``batch``, its messages sorted (``RecordSorter``): records of a batch Spark
-        committed are ACCEPTed at once and never handed out; while ``batch`` is replayed only its own records
+        committed are ACCEPTed at once and never handed out; records older than ``stale_ms`` (fetched while no
+        poll ran) are released, and polled again; while ``batch`` is replayed only its own records
         are, the rest wait for the next batch, and a poll that brought none of them polls again (in short
         slices, until every session's polls together brought them all, or ``timeout_ms``: their member may
         still have to be given their partitions, or their lock to expire). A poll that kept nothing of a
@@ -280,7 +287,14 @@ class ShareSession:
             left_ms = max(0, int((deadline - time.monotonic()) * 1000))
             msgs, fetched = self._fetch(min(left_ms, REPLAY_SLICE_MS) if replaying else left_ms)
             drained, answered = fetched is not None, fetched or frozenset()
-            acquired_at = time.time()
+            acquired_at = self._received_at()
+            if msgs and stale_ms is not None and (time.time() - acquired_at) * 1000 > stale_ms:
+                # Fetched long before this poll, while nobody polled: given back before any batch sees them,
+                # they come again at once with a fresh lock (kept, they would expire inside the batch).
+                self._release_old([m for m in msgs if m.error() is None], acquired_at, "fetched while no poll ran")
+                if time.monotonic() < deadline:
+                    continue
+                return [], [], [], False, frozenset(), time.time()
             good = msgs
             if msgs and any(map(type(msgs[0]).error, msgs)):  # one C-level pass when, as nearly always, none has
                 good = [m for m in msgs if m.error() is None]
@@ -305,17 +319,29 @@ class ShareSession:
     def _release_carried(self) -> None:
         """Give back carried records too old to be handed out within their lock: released now, they
         are delivered again at once (left, they would expire, and come back later)."""
+        carried, self._carried = self._carried, []
+        self._release_old(carried, self._carried_at, "a poll acquired beyond its batch")
+
+    def _release_old(self, msgs: list, acquired_at: float, what: str) -> None:
         from confluent_kafka import AcknowledgeType
 
-        carried, self._carried = self._carried, []
-        for m in carried:
+        for m in msgs:
             self.consumer.acknowledge(m, AcknowledgeType.RELEASE)
-        res = self.consumer.commit_sync(30.0)
+        res = self.consumer.commit_sync(30.0)  # a lock already expired: INVALID_RECORD_STATE, and it is free anyway
         bad = {f"{tp.topic}-{tp.partition}": str(e) for tp, e in (res or {}).items() if e is not None}
-        self.released_carried += len(carried)
-        log.info("session %s: released %d records a poll acquired beyond its batch, %.1f s ago: too old to be "
-                 "handed out within the record lock%s", self.session_id, len(carried), time.time() - self._carried_at,
-                 f" (failed for {bad})" if bad else "")
+        self.released_old += len(msgs)
+        log.info("session %s: released %d records %s, %.1f s ago: too old to be handed out within the record "
+                 "lock%s", self.session_id, len(msgs), what, time.time() - acquired_at, f" (failed for {bad})" if bad else "")
+
+    def _received_at(self) -> float:
+        """When the records of the poll that just returned can have been acquired at the earliest
+        (time.time()): now, unless statistics say records came in while nobody polled (after a poll that
+        returned nothing, librdkafka fetches on its own and keeps what comes for the next poll), then
+        from the last statistics before they came. Records counted from here on are the next poll's."""
+        now = time.monotonic()
+        since = self._fetch_stats.fetched_after
+        self._fetch_stats.mark(now)
+        return time.time() - (now - since if since is not None else 0.0)
 
     def _fetch(self, timeout_ms: int) -> tuple[list, frozenset | None]:
         """One poll of the broker: (its messages; for an empty answer that means the queue has nothing
@@ -361,7 +387,9 @@ class ShareSession:
         h, self.holding = self.holding, None
         return acknowledge_held(self.consumer, h, verdicts, default, timeout_s, self._scrub, self.session_id)
 
-    def _close(self) -> None:
+    def _close(self, after: Sequence[Future] = ()) -> None:
+        if after:
+            wait_futures(after, timeout=CLOSE_AFTER_S)
         self.holding = None
         self._carried = []  # close() releases them with the rest
         self._consumer_closed = True

@@ -2,8 +2,10 @@
 and whether a fetch sent after a moment has been answered.
 
 Owns: the latest statistics text (``on_stats`` is the client's ``stats_cb``), parsing each text once,
-``steady`` (the consumer has been reported a steady member at least once), and ``drained``, which
-lets an empty poll end as soon as the broker has nothing for the consumer instead of at its timeout.
+``steady`` (the consumer has been reported a steady member at least once), ``drained``, which
+lets an empty poll end as soon as the broker has nothing for the consumer instead of at its timeout, and
+``fetched_after``: when records came in since the last poll, while nobody polled (after a poll that
+returned nothing, librdkafka goes on fetching, and the broker's lock on what it acquires runs from then).
 
 Must never: call the consumer: statistics arrive only while the session thread serves the client's
 queue, and only that thread may.
@@ -56,11 +58,33 @@ def parse_stats(text: str) -> tuple[float, FetchState | None]:
     return stamped, FetchState(cgrp.get("assignment_size", 0) > 0, sent, leaders)
 
 
+def _stamp_and_received(text: str) -> tuple[float, int]:
+    """(librdkafka's stamp, in time.monotonic() seconds; the messages received so far, the text's top-level
+    "rxmsgs", its last but one key) of a statistics text; (0, 0) if it has neither."""
+    try:
+        return _number_after(text, text.index('"ts":') + 5) / 1e6, _number_after(text, text.rindex('"rxmsgs":') + 9)
+    except ValueError:
+        return 0.0, 0
+
+
+def _number_after(text: str, at: int) -> int:
+    end = at
+    while end < len(text) and text[end] in " 0123456789":
+        end += 1
+    return int(text[at:end])
+
+
 class FetchStats:
     def __init__(self) -> None:
         self._stats: tuple[float, str] = (0.0, "")  # (when, text) of librdkafka's latest statistics
         self._parsed: tuple[float, tuple[float, FetchState | None]] = (0.0, (0.0, None))
         self.steady = False  # librdkafka has reported this consumer a steady member (with its assignment)
+        # Records received since the last poll returned (librdkafka's "rxmsgs" going up): the time of the
+        # last text before they came, the earliest they can have been acquired (None: none came).
+        self._mark = 0.0
+        self._rx_base: int | None = None
+        self._quiet_at = 0.0
+        self.fetched_after: float | None = None
 
     @property
     def last_at(self) -> float:
@@ -74,8 +98,23 @@ class FetchStats:
 
     def on_stats(self, text: str) -> None:
         # Served inside poll() (or commit_sync/commit_async, see _serve_idle); parsed only when an
-        # empty poll looks at it.
+        # empty poll looks at it. Its stamp and received-messages count are read off every text (they are
+        # at its two ends: a big topic's text is 1.5 MB).
         self._stats = (time.monotonic(), text)
+        stamped, rx = _stamp_and_received(text)
+        if stamped <= self._mark:  # taken before the last poll returned: what it counts was handed out
+            return
+        if self._rx_base is None:
+            self._rx_base, self._quiet_at = rx, stamped
+        elif rx <= self._rx_base:
+            self._quiet_at = stamped
+        elif self.fetched_after is None:
+            self.fetched_after = self._quiet_at
+
+    def mark(self, now: float) -> None:
+        """A poll returned (``now``, time.monotonic()): records counted from here on came while nobody
+        polled."""
+        self._mark, self._rx_base, self._quiet_at, self.fetched_after = now, None, now, None
 
     def state(self, since: float) -> FetchState | None:
         """The member's state from statistics taken after ``since`` (a time.monotonic(); librdkafka

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import wait as wait_futures
 
 import pytest
 
-from harness.support import kafka_options
+from harness.support import ShareGroups, kafka_options, wait_until
+from spark_share.consumers.pool import SessionPool
 from spark_share.consumers.session import ShareSession
 
 
@@ -47,6 +49,77 @@ def test_polls_end_when_a_fetch_comes_back_empty_and_not_while_one_is_on_its_way
     finally:
         empty.close().result(timeout=30)
         full.close().result(timeout=30)
+
+
+def test_records_fetched_while_no_poll_ran_come_with_a_fresh_lock(kafka, produce):
+    """After a poll that returned nothing, the client fetches on its own and keeps what comes for the next
+    poll, while the broker's lock on it runs (a long processingTime trigger polls minutes apart). A poll
+    after the records' lock ran out gives them back and fetches them again: the batch holds them with a
+    fresh lock, and their ACCEPT holds (before, the batch got records whose lock had expired, and every
+    ACCEPT failed)."""
+    lock_ms = 3000
+    kafka.set_record_lock_duration(lock_ms)
+    topic, group = kafka.create_topic("idle-fetch", 1), kafka.group("idle-fetch")
+    conf = {**kafka.client(), "share.acknowledgement.mode": "explicit", "group.id": group}
+    session = ShareSession("t-idle", conf, [topic], False)
+    try:
+        rb, _ = session.poll(0, 0, None, 60_000).result(timeout=90)
+        assert rb.num_rows == 0
+        produce(kafka, topic, 20)
+        stats = session._fetch_stats
+        came = wait_until(lambda: stats.fetched_after, timeout=30, message="the client fetched nothing on its own")
+        wait_until(lambda: time.monotonic() > came + lock_ms / 1000 + 0.5, timeout=30)  # the lock runs out
+        rb, held = session.poll(1, 0, None, 30_000, carry_ms=lock_ms / 2).result(timeout=60)
+        assert rb.num_rows == 20 and session.released_old == 20
+        assert set(rb.column("deliveryCount").to_pylist()) == {2}, "fetched again after the release"
+        outcome = session.acknowledge({}, 30).result(timeout=60)
+        assert outcome.accepted == 20 and not outcome.failed and not outcome.expired, outcome
+    finally:
+        session.close().result(timeout=30)
+
+
+@pytest.mark.parametrize("order", ["close_all", "holder first"])
+def test_a_stopping_pool_closes_its_idle_sessions_before_the_ones_that_release_records(kafka, produce, order):
+    """Two sessions share a partition (Kafka shares one between members; the embedded broker is told to). One
+    holds 50 records, the other's last poll returned nothing, so its client fetches on its own. Closed
+    holder first, the idle one acquires what the holder released and drops it as it closes: the records'
+    next delivery is their third, one spent unseen. ``close_all`` closes the idle one first: their second.
+    (On the embedded broker a client's disconnect ends every share session, which hides the race when both
+    close at once; the order itself is ``test_pool.py``'s.)"""
+    if not kafka.external:
+        kafka.set_heartbeat_interval(200)  # the members learn the manual assignment within ~0.2 s
+    topic, group = kafka.create_topic("close-order", 1), kafka.group(f"close-order-{order[0]}")
+    conf = {**kafka.client(), "share.acknowledgement.mode": "explicit", "group.id": group}
+    pool = SessionPool(lambda size: ShareSession(f"t-close-{len(pool.sessions)}", conf, [topic], False), "test")
+    pool.start(2)
+    if not kafka.external:
+        groups = ShareGroups(kafka)
+        wait_until(lambda: len(groups.members(group)) == 2, timeout=30, message="both sessions joined")
+        groups.assign(group, {m: [(topic, 0)] for m in groups.members(group)})
+    holder, idle = pool.sessions
+    produce(kafka, topic, 50)
+    rb, _ = holder.poll(0, 0, None, 30_000).result(timeout=60)
+    assert rb.num_rows == 50 and set(rb.column("deliveryCount").to_pylist()) == {1}
+    rb, held = idle.poll(0, 1, None, 30_000).result(timeout=60)
+    assert rb.num_rows == 0 and not held.timed_out
+    if order == "close_all":
+        wait_futures(pool.close_all(), timeout=30)
+    else:
+        holder.close().result(timeout=30)
+        wait_until(lambda: idle._fetch_stats.fetched_after, timeout=30,
+                   message="the idle session's client did not acquire what the holder released")
+        idle.close().result(timeout=30)
+    reader = ShareSession("t-close-reader", conf, [topic], False)
+    try:
+        if not kafka.external:  # the group's assignment is manual now: the partition to the reader too
+            wait_until(lambda: len(groups.members(group)) == 1, timeout=30, message="the reader alone in the group")
+            groups.assign(group, {m: [(topic, 0)] for m in groups.members(group)})
+        rb, _ = reader.poll(1, 0, None, 30_000).result(timeout=60)
+        assert rb.num_rows == 50
+        assert set(rb.column("deliveryCount").to_pylist()) == ({2} if order == "close_all" else {3})
+        reader.acknowledge({}, 30).result(timeout=60)
+    finally:
+        reader.close().result(timeout=30)
 
 
 @pytest.mark.embedded_only("injects broker latency (set_broker_rtt)")

@@ -13,11 +13,14 @@ class FakeSession:
         self.max_poll_records = 500
         self.created_at = 0.0
         self.closed = False
+        self.holding = None
+        self.waited_for: list = []  # the closings this one's close waited for
 
-    def close(self):
+    def close(self, after=()):
         from concurrent.futures import Future
 
         self.closed = True
+        self.waited_for = list(after)
         f = Future()
         f.set_result(None)
         return f
@@ -195,3 +198,19 @@ def test_sessions_that_join_after_close_all_leave_at_once():
     with pytest.raises(AgentError, match="shutting down"):
         pool.open(0, None)
     assert len(made) == 3 and made[-1].closed and len(pool) == 0
+
+
+def test_sessions_holding_nothing_close_before_the_ones_that_release_records():
+    """After an empty poll the client fetches on its own: a session holding nothing, still open while a
+    sibling's close releases its records, would acquire them and drop them as it closes in turn (a delivery
+    spent, unseen). So the ones holding nothing close first, and those holding or carrying records close
+    once those closings are done."""
+    sessions = [FakeSession(i) for i in range(4)]
+    sessions[1].holding = object()
+    sessions[3].carrying = 20
+    pool = pool_of(sessions)
+    closing = pool.close_all()
+    assert len(closing) == 4 and all(s.closed for s in sessions)
+    first = closing[:2]
+    assert sessions[0].waited_for == sessions[2].waited_for == []
+    assert sessions[1].waited_for == sessions[3].waited_for == first

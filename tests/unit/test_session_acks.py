@@ -3,9 +3,13 @@ the ones the client refuses (no longer in flight) without stopping at them: a fa
 records each acknowledge_offset call and refuses the offsets a test names."""
 from __future__ import annotations
 
+import json
+import time
+
 import confluent_kafka
 import pytest
 
+from harness.support import wait_until
 from spark_share.acknowledgement import ACCEPT, REJECT, RELEASE
 from spark_share.consumers import session as session_mod
 from spark_share.verdict_set import VerdictSet
@@ -189,7 +193,87 @@ def test_carried_records_too_old_for_the_lock_are_released_not_handed_out(monkey
         rb, holding = s.poll(2, 0, 100, 1000, carry_ms=10_000).result(5)
         assert rb.num_rows == 1 and holding.acquired == {"t": {0: [[1000, 1000]]}} and s.carrying == 0
         released = [off for _, _, off, kind in consumer.acked if kind == RELEASE]
-        assert released == list(range(100, 1000)) and s.released_carried == 900
+        assert released == list(range(100, 1000)) and s.released_old == 900
         assert consumer.poll_calls == 2
     finally:
         s.close().result(5)
+
+
+def _stats(at: float, received: int) -> str:
+    """librdkafka's statistics text as far as it says when it was taken and how many messages came so far."""
+    return json.dumps({"ts": int(at * 1e6), "replyq": 0, "rxmsgs": received, "rxmsg_bytes": 0})
+
+
+class FetchingConsumer(PollingConsumer):
+    """Polls as PollingConsumer once ``fetched`` is set (nothing before); each poll's messages came ``ago``
+    seconds before it, which the statistics served inside the poll say, as librdkafka's do: a text before
+    they came, then one counting them."""
+
+    def __init__(self, conf, polls, ago):
+        super().__init__(conf, polls)
+        self.stats_cb = conf["stats_cb"]
+        self.ago = list(ago)
+        self.received = 0
+        self.fetched = False
+
+    def poll(self, timeout):
+        msgs = super().poll(timeout) if self.fetched else []
+        if msgs:
+            came = time.monotonic() - self.ago.pop(0)
+            self.stats_cb(_stats(came - 0.001, self.received))
+            self.received += len(msgs)
+            self.stats_cb(_stats(came, self.received))
+        return msgs
+
+
+@pytest.mark.parametrize("fetched_ago_s, released", [(0.0, False), (0.3, True)])
+def test_records_fetched_while_no_poll_ran_and_too_old_for_the_lock_are_released_before_a_batch_sees_them(
+        monkeypatch, fetched_ago_s, released):
+    """After a poll that returned nothing, librdkafka fetches on its own and keeps what comes for the next
+    poll; the broker's lock runs from then (a long trigger leaves it there for minutes). Records the
+    statistics say came longer ago than the carry limit are released at once and polled again, with a
+    fresh lock; records that came just now are handed out, their acquisition time the statistics' one."""
+    from test_records import Msg
+
+    made = []
+    first = [Msg("t", 0, i, b"k", b"v") for i in range(5)]
+
+    def factory(conf):
+        made.append(FetchingConsumer(conf, [first, list(first)], [fetched_ago_s, 0.0]))
+        return made[-1]
+    monkeypatch.setattr(confluent_kafka, "ShareConsumer", factory)
+    s = session_mod.ShareSession("fetched-idle", {"group.id": "g"}, ["t"], False, join_wait_s=0)
+    try:
+        consumer = made[0]
+        rb, held = s.poll(0, 0, None, 50).result(5)
+        assert rb.num_rows == 0
+        consumer.fetched = True
+        idle_from = time.monotonic()
+        wait_until(lambda: time.monotonic() - idle_from > 0.35, timeout=5)  # no poll runs meanwhile
+        rb, held = s.poll(1, 0, None, 1000, carry_ms=200).result(5)
+        assert rb.num_rows == 5 and held.acquired == {"t": {0: [[0, 4]]}}
+        assert [off for _, _, off, kind in consumer.acked if kind == RELEASE] == (list(range(5)) if released else [])
+        assert s.released_old == (5 if released else 0)
+        assert len(consumer.polls) == (0 if released else 1), "polled again only after a release"
+        assert time.time() - held.acquired_at < 0.2, "handed out with its lock's age"
+    finally:
+        s.close().result(5)
+
+
+def test_statistics_say_when_records_came_while_no_poll_ran():
+    from spark_share.consumers.session_stats import FetchStats
+
+    f = FetchStats()
+    now = time.monotonic()
+    f.on_stats(_stats(now - 1.0, 7))
+    f.mark(now - 0.5)  # a poll returned: what came before it was handed out
+    assert f.fetched_after is None
+    f.on_stats(_stats(now - 0.6, 9))  # taken before the poll returned: not counted
+    f.on_stats(_stats(now - 0.4, 9))
+    f.on_stats(_stats(now - 0.3, 9))
+    assert f.fetched_after is None
+    f.on_stats(_stats(now - 0.2, 12))
+    f.on_stats(_stats(now - 0.1, 15))
+    assert f.fetched_after == pytest.approx(now - 0.3, abs=1e-6), "from the last text before they came"
+    f.mark(now)
+    assert f.fetched_after is None
