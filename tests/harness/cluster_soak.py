@@ -3,7 +3,7 @@ three worker hosts: tests/harness/spark_hosts.py) for hours, under random faults
 network and lost-driver tests prove one at a time; then the no-loss check and the resource verdict.
 
     .venv/bin/python tests/harness/cluster_soak.py --minutes 120 --seed 3 --out soak-out   # the soak (as root)
-    .venv/bin/python tests/harness/cluster_soak.py --minutes 5 --mean-gap 8 --seed 1 --out soak-ci   # CI's few minutes
+    .venv/bin/python tests/harness/cluster_soak.py --minutes 4.3 --mean-gap 8 --seed 1 --out soak-ci   # CI's few minutes
 
 This process is Kafka and the operator: it runs the embedded broker (three brokers), produces at a steady
 rate the whole time, draws the faults from ``--seed`` and injects them one after another, restarts the
@@ -47,6 +47,9 @@ RATE = (50, 0.5)  # records every so many seconds
 FAULTS = ("link_cut", "driver_cut", "impaired", "broker_down", "host_lost", "agent_killed", "driver_lost")
 DRIVER_HOSTS = ("driver", "w3")  # a lost driver's job starts again on the other
 EFFECT_S = LOCK_S + 20.0  # how long after a fault ends records it touched may still come back
+# No fault starts in the run's last TAIL_S: the last one (2 x LOCK_S at most) ends, and its effects settle, before
+# the run stops producing and checks that every record was written.
+TAIL_S = EFFECT_S + 15.0
 ACQUIRED_BEFORE_S = 15.0  # a batch's records were acquired at most this long before it finished
 
 
@@ -406,7 +409,7 @@ def main(argv=None) -> int:
         driver = Driver(cluster, kafka, w.topic, group, shared)
         driver.start()
         t0 = time.monotonic()
-        operator = Operator(cluster, kafka, driver, faults, t0, until_s=seconds - 90).start()
+        operator = Operator(cluster, kafka, driver, faults, t0, until_s=seconds - TAIL_S).start()
         while time.monotonic() - t0 < seconds and operator.error is None:
             time.sleep(1.0)  # the run's length
         operator.stop()

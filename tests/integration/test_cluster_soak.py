@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 def test_minutes_of_every_kind_of_fault_on_a_cluster_lose_nothing_and_leave_nothing(tmp_path):
     seed = os.environ.get("SPARK_SHARE_SOAK_SEED", "1")
     out = tmp_path / "soak"
-    cmd = [sys.executable, os.path.join(ROOT, "tests", "harness", "cluster_soak.py"), "--minutes", "5",
+    cmd = [sys.executable, os.path.join(ROOT, "tests", "harness", "cluster_soak.py"), "--minutes", "4.3",
            "--mean-gap", "8", "--seed", seed, "--sample-every", "5", "--out", str(out)]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
     print(run.stdout[-8000:])
