@@ -18,6 +18,7 @@ import glob
 import json
 import os
 import socket
+from collections import Counter
 
 import pytest
 
@@ -188,20 +189,43 @@ def test_an_update_killed_mid_flow_loses_nothing_when_run_again(kafka, produce, 
         _nothing_left(kafka, pipeline.group, topic, update=update)
     # On the embedded broker each consumer that joins ends every share session: the killed update's four
     # joining consumers can bring a partition's records to maxDeliveryCount (4), and they are set aside.
-    report = check_no_loss(ids, _keys(pipeline.table("orders")), rejected=_set_aside(pipeline),
-                           duplicates_reason="a batch the killed update committed but had not acknowledged")
-    if kafka.external:  # the embedded broker also redelivers on any client's disconnect (its quirk)
-        assert report.duplicates <= killed_rows and not _set_aside(pipeline), report
-    print(f"killed update wrote {killed_rows}; after the rerun: {report}")
+    # Spark 4.1 runs an update's flow as one batch: the rerun is the killed update's batch run again, with the
+    # records its polls had acquired (on the embedded broker a consumer still being given its partition can
+    # leave one out: 3,001 of 4,000 once in CI), and the next update reads the rest.
+    left = set(ids) - set(_keys(pipeline.table("orders"))) - set(_set_aside(pipeline))
+    if ACKNOWLEDGED_BY_THE_UPDATE:
+        report = check_no_loss(ids, _keys(pipeline.table("orders")), rejected=_set_aside(pipeline),
+                               duplicates_reason="a batch the killed update committed but had not acknowledged")
+        if kafka.external:  # the embedded broker also redelivers on any client's disconnect (its quirk)
+            assert report.duplicates <= killed_rows and not _set_aside(pipeline), report
+        print(f"killed update wrote {killed_rows}; after the rerun: {report}")
 
-    # register() in the definitions: the rerun and one more update exit 0; the last reads nothing new.
-    rows = pipeline.table("orders").num_rows
+    # register() in the definitions: the rerun and one more update exit 0; the last reads only what the rerun
+    # left (nothing, but on Spark 4.1 what the killed update's batch had not acquired).
+    before = _keys(pipeline.table("orders"))
     again = pipeline.run()
     assert again.completed(), f"the update after the rerun failed (exit {again.returncode}):\n{again.output[-4000:]}"
     assert REGISTER_KEPT in update.output and REGISTER_KEPT in again.output, again.output[-3000:]
-    assert pipeline.table("orders").num_rows == rows, "an update with nothing queued wrote rows"
-    if not ACKNOWLEDGED_BY_THE_UPDATE:  # the rerun's batch came back to this update, which ACCEPTed it
-        _nothing_left(kafka, pipeline.group, topic, update=again)
+    after, last = _keys(pipeline.table("orders")), again
+    for _ in range(2):  # 4.1: each update is one batch, which a consumer still joining can leave a partition out of
+        if ACKNOWLEDGED_BY_THE_UPDATE or set(ids) <= set(after) | set(_set_aside(pipeline)):
+            break
+        last = pipeline.run()
+        assert last.completed(), f"a later update failed (exit {last.returncode}):\n{last.output[-4000:]}"
+        after = _keys(pipeline.table("orders"))
+    added = Counter(after) - Counter(before)
+    assert not Counter(before) - Counter(after) and set(added) <= left and max(added.values(), default=1) == 1, \
+        f"the last update wrote rows the rerun had written: {sorted(set(added) - left)[:20]}"
+    if ACKNOWLEDGED_BY_THE_UPDATE:
+        assert len(after) == len(before), "an update with nothing queued wrote rows"
+    else:
+        report = check_no_loss(ids, after, rejected=_set_aside(pipeline),
+                               duplicates_reason="a batch the killed update committed but had not acknowledged")
+        print(f"killed update wrote {killed_rows}; the rerun left {len(left)} to the next update; then: {report}")
+        if last is not again:  # on 4.1 an update's batch is ACCEPTed by the next update, when it comes back
+            last = pipeline.run()
+            assert last.completed() and _keys(pipeline.table("orders")) == after, last.output[-4000:]
+        _nothing_left(kafka, pipeline.group, topic, update=last)
 
 
 def _closed_port() -> int:
