@@ -93,23 +93,27 @@ def test_a_stopping_pool_closes_its_idle_sessions_before_the_ones_that_release_r
     conf = {**kafka.client(), "share.acknowledgement.mode": "explicit", "group.id": group}
     pool = SessionPool(lambda size: ShareSession(f"t-close-{len(pool.sessions)}", conf, [topic], False), "test")
     pool.start(2)
-    if not kafka.external:
-        groups = ShareGroups(kafka)
-        wait_until(lambda: len(groups.members(group)) == 2, timeout=30, message="both sessions joined")
-        groups.assign(group, {m: [(topic, 0)] for m in groups.members(group)})
-    holder, idle = pool.sessions
-    produce(kafka, topic, 50)
-    rb, _ = holder.poll(0, 0, None, 30_000).result(timeout=60)
-    assert rb.num_rows == 50 and set(rb.column("deliveryCount").to_pylist()) == {1}
-    rb, held = idle.poll(0, 1, None, 30_000).result(timeout=60)
-    assert rb.num_rows == 0 and not held.timed_out
-    if order == "close_all":
+    try:
+        if not kafka.external:
+            groups = ShareGroups(kafka)
+            wait_until(lambda: len(groups.members(group)) == 2, timeout=30, message="both sessions joined")
+            groups.assign(group, {m: [(topic, 0)] for m in groups.members(group)})
+        holder, idle = pool.sessions
+        produce(kafka, topic, 50)
+        rb, _ = holder.poll(0, 0, None, 30_000).result(timeout=60)
+        assert rb.num_rows == 50 and set(rb.column("deliveryCount").to_pylist()) == {1}
+        rb, held = idle.poll(0, 1, None, 30_000).result(timeout=60)
+        assert rb.num_rows == 0 and not held.timed_out
+        if order == "close_all":
+            wait_futures(pool.close_all(), timeout=30)
+        else:
+            holder.close().result(timeout=30)
+            wait_until(lambda: idle._fetch_stats.fetched_after, timeout=30,
+                       message="the idle session's client did not acquire what the holder released")
+            idle.close().result(timeout=30)
+    except BaseException:  # the sessions a failed step left open
         wait_futures(pool.close_all(), timeout=30)
-    else:
-        holder.close().result(timeout=30)
-        wait_until(lambda: idle._fetch_stats.fetched_after, timeout=30,
-                   message="the idle session's client did not acquire what the holder released")
-        idle.close().result(timeout=30)
+        raise
     reader = ShareSession("t-close-reader", conf, [topic], False)
     try:
         if not kafka.external:  # the group's assignment is manual now: the partition to the reader too
