@@ -288,13 +288,6 @@ class ShareSession:
             msgs, fetched = self._fetch(min(left_ms, REPLAY_SLICE_MS) if replaying else left_ms)
             drained, answered = fetched is not None, fetched or frozenset()
             acquired_at = self._received_at()
-            if msgs and stale_ms is not None and (time.time() - acquired_at) * 1000 > stale_ms:
-                # Fetched long before this poll, while nobody polled: given back before any batch sees them,
-                # they come again at once with a fresh lock (kept, they would expire inside the batch).
-                self._release_old([m for m in msgs if m.error() is None], acquired_at, "fetched while no poll ran")
-                if time.monotonic() < deadline:
-                    continue
-                return [], [], [], False, frozenset(), time.time()
             good = msgs
             if msgs and any(map(type(msgs[0]).error, msgs)):  # one C-level pass when, as nearly always, none has
                 good = [m for m in msgs if m.error() is None]
@@ -302,6 +295,13 @@ class ShareSession:
                     if m.error() is not None:
                         log.warning("session %s: poll returned an error for %s-%s: %s", self.session_id,
                                     m.topic(), m.partition(), self._scrub(str(m.error())))
+            if good and stale_ms is not None and (time.time() - acquired_at) * 1000 > stale_ms:
+                # Fetched long before this poll, while nobody polled: given back before any batch sees them,
+                # they come again at once with a fresh lock (kept, they would expire inside the batch).
+                self._release_old(good, acquired_at, "fetched while no poll ran")
+                if time.monotonic() < deadline:
+                    continue
+                return [], [], [], False, frozenset(), time.time()
             done: list = []
             later: list = []
             if sorter is not None and good:
