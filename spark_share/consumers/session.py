@@ -287,7 +287,6 @@ class ShareSession:
             left_ms = max(0, int((deadline - time.monotonic()) * 1000))
             msgs, fetched = self._fetch(min(left_ms, REPLAY_SLICE_MS) if replaying else left_ms)
             drained, answered = fetched is not None, fetched or frozenset()
-            acquired_at = self._received_at()
             good = msgs
             if msgs and any(map(type(msgs[0]).error, msgs)):  # one C-level pass when, as nearly always, none has
                 good = [m for m in msgs if m.error() is None]
@@ -295,6 +294,7 @@ class ShareSession:
                     if m.error() is not None:
                         log.warning("session %s: poll returned an error for %s-%s: %s", self.session_id,
                                     m.topic(), m.partition(), self._scrub(str(m.error())))
+            acquired_at = self._received_at(len(good))
             if good and stale_ms is not None and (time.time() - acquired_at) * 1000 > stale_ms:
                 # Fetched long before this poll, while nobody polled: given back before any batch sees them,
                 # they come again at once with a fresh lock (kept, they would expire inside the batch).
@@ -333,14 +333,14 @@ class ShareSession:
         log.info("session %s: released %d records %s, %.1f s ago: too old to be handed out within the record "
                  "lock%s", self.session_id, len(msgs), what, time.time() - acquired_at, f" (failed for {bad})" if bad else "")
 
-    def _received_at(self) -> float:
-        """When the records of the poll that just returned can have been acquired at the earliest
+    def _received_at(self, handed: int) -> float:
+        """When the ``handed`` records of the poll that just returned can have been acquired at the earliest
         (time.time()): now, unless statistics say records came in while nobody polled (after a poll that
         returned nothing, librdkafka fetches on its own and keeps what comes for the next poll), then
         from the last statistics before they came. Records counted from here on are the next poll's."""
         now = time.monotonic()
         since = self._fetch_stats.fetched_after
-        self._fetch_stats.mark(now)
+        self._fetch_stats.mark(now, handed)
         return time.time() - (now - since if since is not None else 0.0)
 
     def _fetch(self, timeout_ms: int) -> tuple[list, frozenset | None]:

@@ -79,10 +79,11 @@ class FetchStats:
         self._stats: tuple[float, str] = (0.0, "")  # (when, text) of librdkafka's latest statistics
         self._parsed: tuple[float, tuple[float, FetchState | None]] = (0.0, (0.0, None))
         self.steady = False  # librdkafka has reported this consumer a steady member (with its assignment)
-        # Records received since the last poll returned (librdkafka's "rxmsgs" going up): the time of the
-        # last text before they came, the earliest they can have been acquired (None: none came).
+        # Records the client received beyond all that polls handed out (librdkafka's "rxmsgs" past
+        # ``_handed``) came while nobody polled: ``fetched_after`` is the time of the last text before
+        # they came (or the poll's return), the earliest they can have been acquired (None: none came).
         self._mark = 0.0
-        self._rx_base: int | None = None
+        self._handed = 0
         self._quiet_at = 0.0
         self.fetched_after: float | None = None
 
@@ -101,20 +102,22 @@ class FetchStats:
         # empty poll looks at it. Its stamp and received-messages count are read off every text (they are
         # at its two ends: a big topic's text is 1.5 MB).
         self._stats = (time.monotonic(), text)
+        # A count is compared with what the polls handed out, not with the first text after the poll:
+        # the fetch in flight when a poll returns empty is often answered before the next text (Kafka
+        # 4.2), so that text already counts what it brought.
         stamped, rx = _stamp_and_received(text)
-        if stamped <= self._mark:  # taken before the last poll returned: what it counts was handed out
+        if stamped <= self._mark:  # taken before the last poll returned
             return
-        if self._rx_base is None:
-            self._rx_base, self._quiet_at = rx, stamped
-        elif rx <= self._rx_base:
+        if rx <= self._handed:
             self._quiet_at = stamped
         elif self.fetched_after is None:
             self.fetched_after = self._quiet_at
 
-    def mark(self, now: float) -> None:
-        """A poll returned (``now``, time.monotonic()): records counted from here on came while nobody
-        polled."""
-        self._mark, self._rx_base, self._quiet_at, self.fetched_after = now, None, now, None
+    def mark(self, now: float, handed: int) -> None:
+        """A poll returned (``now``, time.monotonic()) with ``handed`` records: records the client
+        receives beyond all that polls handed out came while nobody polled."""
+        self._mark, self._quiet_at, self.fetched_after = now, now, None
+        self._handed += handed
 
     def state(self, since: float) -> FetchState | None:
         """The member's state from statistics taken after ``since`` (a time.monotonic(); librdkafka

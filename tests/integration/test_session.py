@@ -63,8 +63,7 @@ def test_records_fetched_while_no_poll_ran_come_with_a_fresh_lock(kafka, produce
     conf = {**kafka.client(), "share.acknowledgement.mode": "explicit", "group.id": group}
     session = ShareSession("t-idle", conf, [topic], False)
     try:
-        rb, _ = session.poll(0, 0, None, 60_000).result(timeout=90)
-        assert rb.num_rows == 0
+        _poll_until_assigned(session)
         produce(kafka, topic, 20)
         stats = session._fetch_stats
         came = wait_until(lambda: stats.fetched_after, timeout=30, message="the client fetched nothing on its own")
@@ -76,6 +75,19 @@ def test_records_fetched_while_no_poll_ran_come_with_a_fresh_lock(kafka, produce
         assert outcome.accepted == 20 and not outcome.failed and not outcome.expired, outcome
     finally:
         session.close().result(timeout=30)
+
+
+def _poll_until_assigned(session: ShareSession) -> None:
+    """Empty polls until the member has its partition, then one more: the client fetches on its own only
+    after a poll that ran while it had one. (On Kafka a new member can be steady with none for a heartbeat
+    or more, while the broker initialises the partition's share state; its poll then ends at once.)"""
+    def assigned() -> bool:
+        rb, _ = session.poll(0, 0, None, 2_000).result(timeout=90)
+        assert rb.num_rows == 0
+        state = session._fetch_stats.state(0.0)
+        return state is not None and state.assigned
+    wait_until(assigned, timeout=60, message="the member got no partition")
+    assert session.poll(0, 0, None, 2_000).result(timeout=90)[0].num_rows == 0
 
 
 @pytest.mark.parametrize("order", ["close_all", pytest.param("holder first", marks=pytest.mark.embedded_only(
