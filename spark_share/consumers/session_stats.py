@@ -79,11 +79,13 @@ class FetchStats:
         self._stats: tuple[float, str] = (0.0, "")  # (when, text) of librdkafka's latest statistics
         self._parsed: tuple[float, tuple[float, FetchState | None]] = (0.0, (0.0, None))
         self.steady = False  # librdkafka has reported this consumer a steady member (with its assignment)
-        # Records the client received beyond all that polls handed out (librdkafka's "rxmsgs" past
-        # ``_handed``) came while nobody polled: ``fetched_after`` is the time of the last text before
-        # they came (or the poll's return), the earliest they can have been acquired (None: none came).
+        # Records received since the last poll returned (librdkafka's "rxmsgs" going up past ``_rx_base``):
+        # the time of the last text before they came, the earliest they can have been acquired (None:
+        # none came). ``_rx_last``: the count of the latest text.
         self._mark = 0.0
-        self._handed = 0
+        self._rx_base: int | None = None
+        self._rx_last: int | None = None
+        self._base_before = False
         self._quiet_at = 0.0
         self.fetched_after: float | None = None
 
@@ -102,22 +104,30 @@ class FetchStats:
         # empty poll looks at it. Its stamp and received-messages count are read off every text (they are
         # at its two ends: a big topic's text is 1.5 MB).
         self._stats = (time.monotonic(), text)
-        # A count is compared with what the polls handed out, not with the first text after the poll:
-        # the fetch in flight when a poll returns empty is often answered before the next text (Kafka
-        # 4.2), so that text already counts what it brought.
+        # The count is librdkafka's of records parsed, before it keeps those the broker acquired for this
+        # consumer (a fetch brings whole producer batches): it runs ahead of what polls hand out, so it
+        # is compared with a base taken at each poll, never with a total of them.
         stamped, rx = _stamp_and_received(text)
+        self._rx_last = rx
         if stamped <= self._mark:  # taken before the last poll returned
+            if self._base_before:
+                self._rx_base = rx
             return
-        if rx <= self._handed:
+        if self._rx_base is None:
+            self._rx_base, self._quiet_at = rx, stamped
+        elif rx <= self._rx_base:
             self._quiet_at = stamped
         elif self.fetched_after is None:
             self.fetched_after = self._quiet_at
 
     def mark(self, now: float, handed: int) -> None:
-        """A poll returned (``now``, time.monotonic()) with ``handed`` records: records the client
-        receives beyond all that polls handed out came while nobody polled."""
+        """A poll returned (``now``, time.monotonic()) with ``handed`` records: records counted from here on
+        came while nobody polled. After an empty poll they are counted from the last text before it
+        returned (the fetch in flight then is often answered before the next text: Kafka 4.2); after one
+        that handed records out, from the first text after it (the last before may not count them)."""
         self._mark, self._quiet_at, self.fetched_after = now, now, None
-        self._handed += handed
+        self._base_before = handed == 0
+        self._rx_base = self._rx_last if self._base_before else None
 
     def state(self, since: float) -> FetchState | None:
         """The member's state from statistics taken after ``since`` (a time.monotonic(); librdkafka
