@@ -51,9 +51,9 @@ def comma_set(text: str) -> set[str]:
     return set(filter(None, text.split(",")))
 
 
-def local_session(floor: bool = False):
+def local_session(floor: bool = False, jars: list[str] | None = None):
     """The benchmarks' Spark: local[2], no UI, spark-share registered; with ``floor``, Spark's floor source
-    (bench_floor.py) too."""
+    (bench_floor.py) too; ``jars`` on its classpath (spark.jars)."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     if floor:  # Spark's Python processes (planning workers, the source runner) import bench_floor.py
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, ROOT, os.environ.get("PYTHONPATH")]))
@@ -61,8 +61,11 @@ def local_session(floor: bool = False):
 
     import spark_share
 
-    spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
-             .config("spark.ui.showConsoleProgress", "false").config("spark.sql.shuffle.partitions", "2").getOrCreate())
+    builder = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
+               .config("spark.ui.showConsoleProgress", "false").config("spark.sql.shuffle.partitions", "2"))
+    if jars:
+        builder = builder.config("spark.jars", ",".join(jars))
+    spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     spark_share.register(spark)
     if floor:
