@@ -172,11 +172,12 @@ class Tracker(TrackerRequests, TrackerReports, TrackerReplays):
         log.info("spark-share tracker %s for group %r, topics %s (%d partitions), %d slots, listening on %s:%d",
                  self.tracker_id, opts.group_id, list(opts.topics), partitions, self.policy.num_slots, *self.address)
         log.info("record locks per partition: %d, from %s: the group may hold about %d records at once, so a "
-                 "batch reaches about that many (%d per consumer's poll; the broker hands out whole producer "
-                 "batches, so a batch can pass it by up to one of those per partition). A record stays locked "
-                 "until Spark commits its batch, so the query reads at most that many records per batch's time; "
-                 "raise it for this group with kafka-configs.sh --entity-type groups --entity-name %s --alter "
-                 "--add-config share.partition.max.record.locks=N (Kafka 4.3+), or on the brokers",
+                 "batch reaches about that many (%d per consumer's poll; the broker hands out whole producer batches, "
+                 "so a batch can pass it by up to one of those per partition). A record stays locked until Spark "
+                 "commits its batch, so the query reads at most that many records per batch's time; raise it for "
+                 "this group with kafka-configs.sh --entity-type groups --entity-name %s --alter --add-config "
+                 "share.partition.max.record.locks=N (Kafka 4.3+; at most the brokers' "
+                 "group.share.max.partition.max.record.locks, 4000 by default), or on the brokers",
                  locks, said, self.policy.lock_budget, self.policy.poll_size(None), opts.group_id)
         log.info("record lock duration: %.0f ms, %s", self.policy.lock_ms,
                  "the group's share.record.lock.duration.ms" if lock_ms is not None
