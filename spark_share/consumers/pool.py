@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING
@@ -36,6 +36,8 @@ FIRST_POLL_MIN_MS = 5000
 # How long start() waits at most for its sessions to report that they joined (about 0.1 s on the
 # embedded broker: the first statistics after the join).
 JOIN_SETTLE_S = 1.0
+# How often await_assignment looks at the sessions' statistics (each serves them about every second).
+ASSIGNMENT_POLL_S = 0.1
 
 
 def poll_budget(session, poll_timeout_ms: int) -> int:
@@ -62,6 +64,7 @@ class SessionPool:
         self._joined = False  # the first start() is done
         self._pending_prefetch: tuple | None = None  # a prefetch that came while the first sessions joined
         self._closed = False  # close_all() came: a session that joins after it leaves at once
+        self._settle = threading.Event()  # set by close_all(): a wait for the group to settle ends
 
     def __len__(self) -> int:
         return len(self.sessions)
@@ -220,6 +223,26 @@ class SessionPool:
             self.start(len(free), records)
             log.info("%s: polls take up to %d records for a replayed batch", self.name, records)
 
+    def await_assignment(self, partitions: Iterable[tuple[str, int]], timeout_s: float) -> bool:
+        """Wait, at most ``timeout_s``, until the sessions' assignments together cover ``partitions`` (a replayed
+        batch's): each session polls once for a replay, and one whose poll brought records polls again only
+        after their acknowledgement, so a partition the broker gives it later stays unread. (Seen on Kafka
+        4.2: ``fit`` replaced the sessions, and a heartbeat later the broker gave the leavers' partition to
+        the member already holding the other one's records.)"""
+        want = set(partitions)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                sessions, closed = list(self.sessions), self._closed
+            have = set().union(*(s.assigned() for s in sessions))
+            if want <= have or closed:
+                return want <= have
+            if time.monotonic() >= deadline:
+                log.info("%s: the share sessions were not given partitions %s within %.0f s; reading without them",
+                         self.name, sorted(want - have)[:5], timeout_s)
+                return False
+            self._settle.wait(ASSIGNMENT_POLL_S)
+
     def prefetch(self, batch: int, count: int, max_records: int | None, poll_timeout_ms: int,
                  carry_ms: float | None = None) -> int:
         """Start the polls of ``batch`` on up to ``count`` free sessions now, while Spark still
@@ -279,6 +302,7 @@ class SessionPool:
         with self._lock:
             self._closed = True
             sessions, self.sessions = list(self.sessions), []
+        self._settle.set()
         idle = [s for s in sessions if s.holding is None and not s.carrying]
         first = [s.close() for s in idle]
         return first + [s.close(after=first) for s in sessions if s not in idle]

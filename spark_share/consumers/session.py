@@ -198,6 +198,11 @@ class ShareSession:
         ``timeout_s``; False after it). Serves the consumer's queue meanwhile, acquiring nothing."""
         return self._submit(lambda: self._wait_joined(timeout_s))
 
+    def assigned(self) -> frozenset[tuple[str, int]]:
+        """The partitions librdkafka's latest statistics give this consumer (none before it is a steady member)."""
+        state = self._fetch_stats.state(0.0)
+        return frozenset(state.leaders) if state is not None else frozenset()
+
     def close(self, after: Sequence[Future] = ()) -> Future:
         """Release what is held (close() does) and leave the group; first wait, at most CLOSE_AFTER_S, for
         ``after`` (other sessions' closing)."""

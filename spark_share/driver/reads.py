@@ -34,6 +34,9 @@ log = logging.getLogger("spark_share.driver.reads")
 PARTITION_BYTES = 16 << 20
 # Past the group's session timeout, a new member gets a lost one's partitions within a heartbeat (5 s by default).
 REPLAY_JOIN_MS = 6000
+# A replay's sessions wait this long at most for the broker to give them every partition the batch names
+# (Kafka reassigns a group's partitions within a heartbeat: 5 s by default, 15 s at most).
+ASSIGNMENT_WAIT_S = 15.0
 EARLIER_STOP_WAIT_S = 45.0  # a stopping run's tracker ends within this (its bounded waits for the broker)
 
 
@@ -115,7 +118,9 @@ class DriverReads:
                          gone_ms / 1000)
                 self._closing.wait(gone_ms / 1000)
             wait_ms = max(self._opts.poll_timeout_ms, int(tracker.policy.lock_ms))
-            self._agent.result(timeout=120).pool.fit(len(wanted))  # polls smaller than the batch would miss some
+            pool = self._agent.result(timeout=120).pool
+            pool.fit(len(wanted))  # polls smaller than the batch would miss some
+            pool.await_assignment(wanted.runs, ASSIGNMENT_WAIT_S)
             parts = self._read(b.batch, tracker.slot_budgets(b), wait_ms)
         finally:
             sorter.replayed(batch)

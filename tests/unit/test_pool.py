@@ -214,3 +214,34 @@ def test_sessions_holding_nothing_close_before_the_ones_that_release_records():
     first = closing[:2]
     assert sessions[0].waited_for == sessions[2].waited_for == []
     assert sessions[1].waited_for == sessions[3].waited_for == first
+
+
+def test_a_replay_waits_until_its_sessions_are_given_every_partition_it_names():
+    """A replay polls each session once, and a session whose poll brought records polls again only after their
+    acknowledgement: it first waits until the sessions' assignments cover the batch's partitions (on Kafka
+    the broker moves the partitions of members that left a heartbeat later)."""
+    import threading
+    import time
+
+    sessions = [FakeSession(i) for i in range(2)]
+    given = {"s0": {("t", 1)}, "s1": {("t", 1)}}
+    for s in sessions:
+        s.assigned = lambda s=s: frozenset(given[s.session_id])
+    pool = pool_of(sessions)
+    assert not pool.await_assignment({("t", 0), ("t", 1)}, timeout_s=0.3), "partition 0 is nobody's"
+    moved = threading.Timer(0.2, lambda: given["s1"].add(("t", 0)))
+    moved.start()
+    try:
+        assert pool.await_assignment({("t", 0), ("t", 1)}, timeout_s=10)
+    finally:
+        moved.cancel()
+    assert pool.await_assignment({("t", 1)}, timeout_s=0)
+    given["s1"].clear()
+    stopping = threading.Timer(0.2, pool.close_all)
+    stopping.start()
+    try:
+        started = time.monotonic()
+        assert not pool.await_assignment({("t", 0)}, timeout_s=30)
+        assert time.monotonic() - started < 10, "close_all ends the wait, not its timeout"
+    finally:
+        stopping.cancel()
