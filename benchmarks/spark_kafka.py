@@ -122,7 +122,7 @@ def report(results: dict) -> None:
                      AFTER_FIRST_OF_BOUND if locks == 2000 else None))
         rows.append((f"{locks:,} locks: first rows, s / heartbeat + 1 s", f"{first:.1f} / {HEARTBEAT_S + 1:.0f}",
                      first / (HEARTBEAT_S + 1), None))
-        phases = {k: med(r["share"]["phases_ms"][k] for r in rs if r["share"]["phases_ms"])
+        phases = {k: round(med(r["share"]["phases_ms"][k] for r in rs if r["share"]["phases_ms"]))
                   for k in (rs[0]["share"]["phases_ms"] or {})}
         print(f"{locks:,} locks: a record's lock, median ms of the full batches: held "
               f"{med(r['share']['held_ms'] for r in rs if r['share']['held_ms']):.0f}, {phases}")
