@@ -161,12 +161,13 @@ def share_run(spark, kafka, topic, slots, n, tmp, locks=None, group=None, sink=N
                                             for k, v in cpu.by_kind.items()}}
 
 
-def floor_run(spark, batches, tasks, rows, tmp):
+def floor_run(spark, batches, tasks, rows, tmp, value_bytes: int = 100):
     """Spark's own cost for a Python streaming source that does no work (bench_floor.py)."""
     with CpuSampler() as cpu:
         t0 = time.perf_counter()
         q = available_now(spark.readStream.format("spark-share-floor").option("batches", batches)
-                          .option("tasks", tasks).option("rows", rows).load().writeStream.format("noop"), tmp)
+                          .option("tasks", tasks).option("rows", rows).option("valueBytes", value_bytes).load()
+                          .writeStream.format("noop"), tmp)
         first = _await(q, cpu)
         end = time.perf_counter()
     records = sum(p["numInputRows"] for p in q.recentProgress)
@@ -179,11 +180,11 @@ def floor_run(spark, batches, tasks, rows, tmp):
             "steady_cpu_per_m_by_process": {k: (v - first[2].get(k, 0.0)) / steady * 1e6 for k, v in cpu.by_kind.items()}}
 
 
-def floor_beside(spark, run: dict, slots: int, n: int, tmp: str) -> dict:
+def floor_beside(spark, run: dict, slots: int, n: int, tmp: str, value_bytes: int = 100) -> dict:
     """Spark's floor with the shape of a kafka-share ``run`` over ``n`` records: as many batches with rows,
-    ``slots`` tasks each, as many rows per task."""
+    ``slots`` tasks each, as many rows per task, as many bytes per value."""
     full = [p for p in run["phases"] if p["rows"]]
-    return floor_run(spark, len(full), slots, max(1, n // max(1, len(full)) // slots), tmp)
+    return floor_run(spark, len(full), slots, max(1, n // max(1, len(full)) // slots), tmp, value_bytes)
 
 
 def first_rows(spark, kafka, topic, tmp, **options) -> tuple[float | None, float | None]:

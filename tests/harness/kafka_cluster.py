@@ -42,6 +42,7 @@ DELIVERY_LIMIT = "share.delivery.count.limit"
 SESSION_TIMEOUT = "share.session.timeout.ms"
 HEARTBEAT_INTERVAL = "share.heartbeat.interval.ms"
 AUTO_OFFSET_RESET = "share.auto.offset.reset"
+RECORD_LOCKS = "share.partition.max.record.locks"  # a group config from Kafka 4.3 (KIP-1240)
 
 
 class ClusterError(RuntimeError):
@@ -149,6 +150,10 @@ class ExternalCluster:
 
     def set_heartbeat_interval(self, ms: int) -> None:
         self._set_everywhere(HEARTBEAT_INTERVAL, int(ms))
+
+    def set_record_locks(self, locks: int) -> None:
+        """Kafka >= 4.3 only (4.2 refuses the config): the group's record-lock budget per partition."""
+        self._set_everywhere(RECORD_LOCKS, int(locks))
 
     # life cycle -------------------------------------------------------------------------------------
     def __enter__(self) -> ExternalCluster:
