@@ -288,7 +288,6 @@ class ShareSession:
         deadline = time.monotonic() + timeout_ms / 1000.0
         sorter = self._sorter if self._sorter is not None and self._sorter.active else None
         replaying = sorter is not None and sorter.wanted(batch) is not None
-        given_back = False
         while True:
             left_ms = max(0, int((deadline - time.monotonic()) * 1000))
             msgs, fetched = self._fetch(min(left_ms, REPLAY_SLICE_MS) if replaying else left_ms)
@@ -317,15 +316,6 @@ class ShareSession:
                 if done:
                     log.info("session %s: %d records of a batch Spark committed came back; ACCEPTed, not handed out",
                              self.session_id, len(done))
-            if (replaying and later and not good and not given_back and sorter is not None and sorter.waiting(batch)
-                    and time.monotonic() < deadline):
-                # Kafka fills a fetch with the partitions it can serve at that moment: this one brought none of
-                # the replayed batch's records. Held, they would keep this consumer from polling again, and the
-                # batch's own, on a partition the group gives only this member, unread. Given back once (a
-                # delivery each), the next fetch brings them with the batch's.
-                self._release(later, acquired_at, "a replay's fetch brought instead of the batch's own")
-                given_back = True
-                continue
             if good or later or time.monotonic() >= deadline:
                 return msgs, good, later, drained, answered, acquired_at
             if not done and not (replaying and sorter is not None and sorter.waiting(batch)):
@@ -338,18 +328,15 @@ class ShareSession:
         self._release_old(carried, self._carried_at, "a poll acquired beyond its batch")
 
     def _release_old(self, msgs: list, acquired_at: float, what: str) -> None:
-        self._release(msgs, acquired_at, f"{what}: too old to be handed out within the record lock")
-        self.released_old += len(msgs)
-
-    def _release(self, msgs: list, acquired_at: float, why: str) -> None:
         from confluent_kafka import AcknowledgeType
 
         for m in msgs:
             self.consumer.acknowledge(m, AcknowledgeType.RELEASE)
         res = self.consumer.commit_sync(30.0)  # a lock already expired: INVALID_RECORD_STATE, and it is free anyway
         bad = {f"{tp.topic}-{tp.partition}": str(e) for tp, e in (res or {}).items() if e is not None}
-        log.info("session %s: released %d records acquired %.1f s ago, %s%s", self.session_id, len(msgs),
-                 time.time() - acquired_at, why, f" (failed for {bad})" if bad else "")
+        self.released_old += len(msgs)
+        log.info("session %s: released %d records %s, %.1f s ago: too old to be handed out within the record "
+                 "lock%s", self.session_id, len(msgs), what, time.time() - acquired_at, f" (failed for {bad})" if bad else "")
 
     def _received_at(self, handed: int) -> float:
         """When the ``handed`` records of the poll that just returned can have been acquired at the earliest

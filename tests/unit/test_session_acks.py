@@ -199,37 +199,6 @@ def test_carried_records_too_old_for_the_lock_are_released_not_handed_out(monkey
         s.close().result(5)
 
 
-def test_a_replays_fetch_that_brought_none_of_its_records_is_given_back_once_and_fetched_again(monkeypatch):
-    """Kafka fills a fetch with the partitions it can serve at that moment: a replay's fetch of other
-    partitions only would, held, keep the consumer from polling again, and the batch's own records unread.
-    Given back once, the next fetch brings them with the batch's; never a second time (a delivery each)."""
-    from test_records import Msg
-
-    from spark_share.record_ranges import RecordRanges, RecordSorter
-
-    others = [Msg("t", 0, i, b"k", b"v") for i in range(4)]
-    wanted = [Msg("t", 2, 100 + i, b"k", b"v") for i in range(3)]
-    fetches = [[list(others), list(others) + wanted], [list(others), list(others), list(others) + wanted]]
-    made = []
-
-    def factory(conf):
-        made.append(PollingConsumer(conf, fetches[len(made)]))
-        return made[-1]
-    monkeypatch.setattr(confluent_kafka, "ShareConsumer", factory)
-    for name, own in (("replay", 3), ("replay-again", 0)):
-        sorter = RecordSorter()
-        sorter.replay(2, RecordRanges({("t", 2): [[100, 102]]}))
-        s = session_mod.ShareSession(name, {"group.id": "g"}, ["t"], False, sorter=sorter)
-        try:
-            consumer = made[-1]
-            rb, holding = s.poll(2, 0, None, 1000).result(5)
-            assert rb.num_rows == own, "the batch's own, fetched again" if own else "not given back a second time"
-            assert [off for _, p, off, kind in consumer.acked if kind == RELEASE] == [0, 1, 2, 3], "given back once"
-            assert s.carrying == 4 and consumer.poll_calls == 2, "the others wait, acquired, for the next batch"
-        finally:
-            s.close().result(5)
-
-
 def _stats(at: float, received: int) -> str:
     """librdkafka's statistics text as far as it says when it was taken and how many messages came so far."""
     return json.dumps({"ts": int(at * 1e6), "replyq": 0, "rxmsgs": received, "rxmsg_bytes": 0})
