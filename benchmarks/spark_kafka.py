@@ -196,8 +196,8 @@ def summary(s: dict) -> dict:
     return row
 
 
-def _n(x, fmt=",.0f", unit="") -> str:
-    return "-" if x is None else f"{x:{fmt}}{unit}"
+def _n(x, fmt=",.0f") -> str:
+    return "-" if x is None else f"{x:{fmt}}"
 
 
 def table(rows: list[dict]) -> str:
