@@ -127,7 +127,7 @@ class Agent(AgentAcknowledgements):
             self.shutdown()
             raise
 
-    def _new_session(self, max_poll_records: int | None = None):
+    def _new_session(self, max_poll_records: int | None = None, replay: bool = False):
         from .session import ShareSession
 
         with self._lock:
@@ -137,7 +137,7 @@ class Agent(AgentAcknowledgements):
         if max_poll_records is not None:
             conf["max.poll.records"] = str(max_poll_records)
         return ShareSession(sid, conf, self.config["topics"], self._keep_headers, scrub=self._scrub,
-                            held_elsewhere=self.pool.held_elsewhere, sorter=self.sorter)
+                            held_elsewhere=self.pool.held_elsewhere, sorter=self.sorter, replay=replay)
 
     # read tasks ----------------------------------------------------------------------------
     def _on_read(self, conn, m: Read):
@@ -151,9 +151,11 @@ class Agent(AgentAcknowledgements):
                 "cached_in_memory": b.in_memory if b else None, "spilled": b.spilled if b else 0}
 
     def read_slot(self, batch: int, slot: int, max_records, poll_timeout_ms: int, query_id, spark_batch,
-              connect_session=None, lent: int = 0):
+              connect_session=None, lent: int = 0, join: bool = True):
         """A read task's read of (batch, slot) (``lent``: one another host's read lent to this agent at the
-        members' cap, that many times; its rows go back through the tracker)."""
+        members' cap, that many times; its rows go back through the tracker; ``join`` False: with no session
+        free the slot reads nothing, as a replay's must: a member joining moves partitions under the sessions
+        that already polled, and those may not poll again)."""
         key = (batch, slot)
         while True:
             with self._lock:
@@ -188,6 +190,8 @@ class Agent(AgentAcknowledgements):
                 return self._read_nothing(batch, slot, spark_batch, query_id, key)
             session, polled = self.pool.reserve(batch, max_records)
             opened = False
+            if session is None and not join:
+                return self._read_nothing(batch, slot, spark_batch, query_id, key)
             if session is None:
                 # No consumer is free here: the query's members are capped, so the tracker says whether a
                 # new one may join (another host may first close one it did not use in this batch).

@@ -51,8 +51,8 @@ def poll_budget(session, poll_timeout_ms: int) -> int:
 
 
 class SessionPool:
-    def __init__(self, new_session: Callable[[int | None], ShareSession], name: str = "agent"):
-        self._new = new_session  # a new session, joining the group (max.poll.records, or the config's)
+    def __init__(self, new_session: Callable[[int | None, bool], ShareSession], name: str = "agent"):
+        self._new = new_session  # a new session, joining the group (max.poll.records, or the config's; for a replay)
         self.name = name
         self._lock = threading.Lock()
         self._resize_lock = threading.Lock()
@@ -65,16 +65,17 @@ class SessionPool:
         self._pending_prefetch: tuple | None = None  # a prefetch that came while the first sessions joined
         self._closed = False  # close_all() came: a session that joins after it leaves at once
         self._settle = threading.Event()  # set by close_all(): a wait for the group to settle ends
+        self._replay_batch = -1  # the last batch ``fit`` made sessions for
 
     def __len__(self) -> int:
         return len(self.sessions)
 
-    def start(self, n: int, max_poll_records: int | None = None) -> None:
+    def start(self, n: int, max_poll_records: int | None = None, replay: bool = False) -> None:
         """Join the group with every session a batch needs before any of them acquires records.
 
         A member joining later makes the group rebalance; the embedded broker ends the other
         members' share sessions then and hands their acquired records out again (duplicates)."""
-        sessions = [self._new(max_poll_records) for _ in range(n)]
+        sessions = [self._new(max_poll_records, replay) for _ in range(n)]
         joining = [s.joined(JOIN_SETTLE_S) for s in sessions]
         records.warm_up()  # meanwhile: the first conversion's one-time imports (pandas, through pyarrow)
         wait_futures(joining, timeout=JOIN_SETTLE_S + 5)
@@ -112,7 +113,7 @@ class SessionPool:
         releasing the excess, and every release counts as a delivery. When it raises it again,
         sessions smaller than the new size are replaced the same way."""
         with self._resize_lock:
-            self._resize(max_records)
+            self._resize(max_records, batch)
             with self._lock:
                 fits = [s for s in self._prefetched if s not in self._reserved] + self._free(max_records)
                 if not fits:
@@ -123,7 +124,7 @@ class SessionPool:
 
     def open(self, batch: int, max_records: int | None) -> ShareSession:
         """A new session, reserved for a read of ``batch`` (the tracker granted the member)."""
-        s = self._new(max_records)
+        s = self._new(max_records, False)
         with self._lock:
             closed = self._closed
             if not closed:
@@ -181,7 +182,7 @@ class SessionPool:
             return self.full_size
         return max_records if self.full_size is None else min(max_records, self.full_size)
 
-    def _resize(self, max_records: int | None) -> None:
+    def _resize(self, max_records: int | None, batch: int) -> None:
         """Replace every free session whose polls are bigger than the budget; or, when every session
         is free, smaller than it may now be. Call with ``_resize_lock`` held.
 
@@ -196,7 +197,9 @@ class SessionPool:
             free = [s for s in self._free() if not s.carrying]
             shrink = max_records is not None and any(s.max_poll_records > want for s in free)  # None: no cap
             grow = len(free) == len(self.sessions) and any(s.max_poll_records < want for s in free)
-            if not (shrink or grow):
+            # Made for a replayed batch: their fetches wait, which only a replay wants (replaced as growing is).
+            replayed = batch > self._replay_batch and len(free) == len(self.sessions) and any(s.replay for s in free)
+            if not (shrink or grow or replayed):
                 return
             for s in free:
                 self.sessions.remove(s)
@@ -205,22 +208,23 @@ class SessionPool:
         self.start(len(free), None if want == self.full_size else want)
         log.info("%s: batch size changed: polls now take at most %d records", self.name, want)
 
-    def fit(self, records: int) -> None:
-        """Sessions whose polls take ``records`` or more, for a replayed batch: the client polls a session again
-        only once its last poll is acknowledged, so each session gets one poll of the batch, and a broker may
-        hand one member all of its records (the embedded one gives each partition to one member). Only while
-        no session holds or carries records (a replay is a run's first batch); a later batch with a cap per
-        consumer (``maxRecordsPerTrigger``, or the lock-safe size after an expiry) brings them back to it."""
+    def fit(self, batch: int, records: int) -> None:
+        """Sessions for a replayed batch, in place of the run's: polls of ``records`` (the client polls a
+        session again only once its last poll is acknowledged, so each session gets one poll of the batch,
+        and a broker may hand one member all of its records), and fetches that wait for every partition
+        (``session.REPLAY_FETCH``). Only while no session holds or carries records (a replay is a run's first
+        batch); the next batch that finds them free and carrying nothing replaces them again (``_resize``)."""
         with self._resize_lock:
+            self._replay_batch = batch
             with self._lock:
                 free = [s for s in self._free() if not s.carrying]
-                if len(free) != len(self.sessions) or all(s.max_poll_records >= records for s in free):
+                if len(free) != len(self.sessions) or all(s.replay and s.max_poll_records >= records for s in free):
                     return
                 for s in free:
                     self.sessions.remove(s)
                     self._last_taken.pop(s.session_id, None)
             wait_futures([s.close() for s in free], timeout=30)
-            self.start(len(free), records)
+            self.start(len(free), records, replay=True)
             log.info("%s: polls take up to %d records for a replayed batch", self.name, records)
 
     def await_assignment(self, partitions: Iterable[tuple[str, int]], timeout_s: float) -> bool:
@@ -250,7 +254,7 @@ class SessionPool:
         way. A poll no read of this batch claims is claimed by the next one (its records stay
         held until then, and are released if the query stops)."""
         with self._resize_lock:
-            self._resize(max_records)
+            self._resize(max_records, batch)
         with self._lock:
             if not self._joined:  # the tracker planned the batch while the sessions join: poll once they have
                 self._pending_prefetch = (batch, count, max_records, poll_timeout_ms, carry_ms)

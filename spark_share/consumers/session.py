@@ -67,6 +67,11 @@ JOIN_GRACE_S = 8.0
 # A replayed batch's poll that brought none of its records polls again in slices of this long, so that it
 # ends soon after the other sessions' polls brought them all.
 REPLAY_SLICE_MS = 500
+# A replay's sessions ask each fetch for more bytes than any could bring (librdkafka's most), so that the broker
+# answers at the fetch's wait and not with the first partition it can serve: when a share group has no member
+# left, Kafka drops its share partitions, and a new member's first fetch sets them up again one by one (Kafka
+# 4.2: a fetch answered with the first of four, 10 ms in; with this, all four after its wait).
+REPLAY_FETCH = {"fetch.min.bytes": "100000000", "fetch.wait.max.ms": "1000"}
 # How long a session holding records waits, as the agent stops, for the ones holding none to close first
 # (SessionPool.close_all): a close takes about 0.1 s, longer only while the broker cannot be reached.
 CLOSE_AFTER_S = 5.0
@@ -79,10 +84,11 @@ class ShareSession:
                  scrub: Callable[[str], str] = lambda s: s, idle_serve_s: float = IDLE_SERVE_S,
                  join_wait_s: float = JOIN_WAIT_S,
                  held_elsewhere: Callable[[ShareSession], float] = lambda s: 0.0,
-                 sorter: RecordSorter | None = None):
+                 sorter: RecordSorter | None = None, replay: bool = False):
         from confluent_kafka import ShareConsumer
 
         self.session_id = session_id
+        self.replay = replay  # polls for a replayed batch (REPLAY_FETCH): replaced once it holds nothing
         self.include_headers = include_headers
         self._only_topic = topics[0] if len(topics) == 1 else None
         self.holding: Holding | None = None
@@ -108,7 +114,7 @@ class ShareSession:
         self._consumer_closed = False
         self._acks_queued = 0
         self._acks_lock = threading.Lock()
-        client_conf: dict[str, Any] = dict(conf)
+        client_conf: dict[str, Any] = {**conf, **REPLAY_FETCH} if replay else dict(conf)
         client_conf.setdefault("statistics.interval.ms", STATS_INTERVAL_MS)
         client_conf["stats_cb"] = self._on_stats
         self._failures = FailureWatch(conf, scrub)

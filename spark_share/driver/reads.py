@@ -119,23 +119,27 @@ class DriverReads:
                 self._closing.wait(gone_ms / 1000)
             wait_ms = max(self._opts.poll_timeout_ms, int(tracker.policy.lock_ms))
             pool = self._agent.result(timeout=120).pool
-            pool.fit(len(wanted))  # polls smaller than the batch would miss some
+            # A fetch spends its record limit partition by partition, so a poll the size of the batch may fill
+            # up with a partition's later records before it reaches the batch's other partitions; one the
+            # size of the lock budget reaches each partition's locks, where the batch's records are.
+            pool.fit(b.batch, max(len(wanted), tracker.policy.lock_budget))
             pool.await_assignment(wanted.runs, ASSIGNMENT_WAIT_S)
-            parts = self._read(b.batch, tracker.slot_budgets(b), wait_ms)
+            parts = self._read(b.batch, tracker.slot_budgets(b), wait_ms, join=False)
         finally:
             sorter.replayed(batch)
         tracker.replayed(b, wanted)
         return parts
 
-    def _read(self, batch: int, budgets: list[int | None], poll_timeout_ms: int) -> list[RowsPartition]:
+    def _read(self, batch: int, budgets: list[int | None], poll_timeout_ms: int,
+              join: bool = True) -> list[RowsPartition]:
         """Every slot of ``batch`` read now, in parallel (a slot read before gets its cached rows), and cut
-        into partitions."""
+        into partitions (``join`` False: slots beyond the sessions there are read nothing)."""
         agent = self._agent.result(timeout=120)
         with self._lock:
             if self._pool is None:  # a run's slots only shrink (a group refusing members): the first count holds
                 self._pool = ThreadPoolExecutor(max(len(budgets), 1), thread_name_prefix="spark-share-read")
             pool = self._pool
-        reads = [pool.submit(agent.read_slot, batch, slot, budget, poll_timeout_ms, None, None)
+        reads = [pool.submit(agent.read_slot, batch, slot, budget, poll_timeout_ms, None, None, join=join)
                  for slot, budget in enumerate(budgets)]
         out: list[RowsPartition] = []
         for slot, f in enumerate(reads):

@@ -103,7 +103,7 @@ def test_a_stopping_pool_closes_its_idle_sessions_before_the_ones_that_release_r
         kafka.set_heartbeat_interval(200)  # the members learn the manual assignment within ~0.2 s
     topic, group = kafka.create_topic("close-order", 1), kafka.group(f"close-order-{order[0]}")
     conf = {**kafka.client(), "share.acknowledgement.mode": "explicit", "group.id": group}
-    pool = SessionPool(lambda size: ShareSession(f"t-close-{len(pool.sessions)}", conf, [topic], False), "test")
+    pool = SessionPool(lambda size, replay=False: ShareSession(f"t-close-{len(pool.sessions)}", conf, [topic], False), "test")
     pool.start(2)
     try:
         if not kafka.external:

@@ -11,6 +11,7 @@ class FakeSession:
         self.busy = False
         self.carrying = 0
         self.max_poll_records = 500
+        self.replay = False
         self.created_at = 0.0
         self.closed = False
         self.holding = None
@@ -34,7 +35,7 @@ class FakeSession:
 
 
 def pool_of(sessions):
-    pool = SessionPool(new_session=lambda max_poll_records: FakeSession(len(pool.sessions)), name="test")
+    pool = SessionPool(new_session=lambda max_poll_records, replay=False: FakeSession(len(pool.sessions)), name="test")
     pool.sessions = list(sessions)
     return pool
 
@@ -78,8 +79,9 @@ class SizedSession(FakeSession):
 def sized_pool(monkeypatch, full=1000):
     made = []
 
-    def new(max_poll_records):
+    def new(max_poll_records, replay=False):
         made.append(SizedSession(len(made), max_poll_records or full))
+        made[-1].replay = replay
         return made[-1]
 
     pool = SessionPool(new_session=new, name="test")
@@ -106,6 +108,24 @@ def test_sessions_shrink_with_the_budget_and_grow_back_only_when_none_holds_reco
     assert full.max_poll_records == 1000, "back to the configured size"
 
 
+def test_a_replay_gets_sessions_of_its_own_which_the_next_batch_replaces_once_they_carry_nothing(monkeypatch):
+    pool, made = sized_pool(monkeypatch)
+    pool.fit(0, 1000)  # as big as the run's polls: still replaced, its fetches must wait for every partition
+    assert [m.closed for m in made[:2]] == [True, True]
+    assert [(x.replay, x.max_poll_records) for x in pool.sessions] == [(True, 1000)] * 2
+    pool.fit(0, 1000)
+    s, _ = pool.reserve(0, None)  # the replay's own read
+    assert len(made) == 4 and s.replay, "sessions made for the replay stay while it reads"
+    pool.give_back(s)
+    pool.sessions[0].carrying = 300  # acquired beyond the replayed batch: the next batch's
+    s, _ = pool.reserve(1, None)
+    assert s.replay and s.carrying and len(made) == 4, "none is replaced while one carries records"
+    s.carrying = 0
+    pool.give_back(s)
+    s, _ = pool.reserve(2, None)
+    assert not s.replay and not any(x.replay for x in pool.sessions) and len(pool.sessions) == 2
+
+
 def test_a_prefetch_that_comes_while_the_sessions_join_polls_once_they_have():
     """The tracker plans the first batch while the agent's sessions are still joining: its polls
     start when they have joined, and the first reads take them."""
@@ -128,7 +148,7 @@ def test_a_prefetch_that_comes_while_the_sessions_join_polls_once_they_have():
             return f
 
     made = []
-    pool = SessionPool(new_session=lambda _size: made.append(PollingSession(len(made))) or made[-1], name="test")
+    pool = SessionPool(new_session=lambda _size, _replay=False: made.append(PollingSession(len(made))) or made[-1], name="test")
     assert pool.prefetch(0, 2, None, 1000) == 0
     assert polled == []
     pool.start(2)
@@ -187,7 +207,7 @@ def test_sessions_that_join_after_close_all_leave_at_once():
             shut.wait(10)  # the shutdown comes meanwhile
             return super().joined(timeout_s)
 
-    pool = SessionPool(new_session=lambda _size: made.append(SlowJoin(len(made))) or made[-1], name="test")
+    pool = SessionPool(new_session=lambda _size, _replay=False: made.append(SlowJoin(len(made))) or made[-1], name="test")
     starting = threading.Thread(target=pool.start, args=(2,))
     starting.start()
     assert joining.wait(10)
