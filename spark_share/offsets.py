@@ -1,7 +1,9 @@
 """The source's offset: ``{"v": 1, "batch": N, "run": R}``, the id of the last planned batch and the
 query run (its tracker) that planned it, plus ``"exchange"``, the source's ``exchangeLocation`` when it
 has one, and under readMode=driver ``"records"``: the records the batch acquired (``record_ranges``), so
-that Spark running the batch again gets them again, and a later run knows which records Spark committed.
+that Spark running the batch again gets them again, and a later run knows which records Spark committed;
+and ``"pending"``, while there are any: records of batches committed before it that had not come back to
+the run that planned it (an earlier run may not have acknowledged them), with since when.
 
 Owns: the offset format Spark writes to the checkpoint's offset log and shows in every progress report.
 The run lets the commit listener find the tracker of a batch from the progress alone, on every Spark
@@ -24,7 +26,7 @@ INITIAL = -1  # the offset before the first batch
 
 
 def offset_of(batch: int, run: str | None = None, exchange: str | None = None,
-              records: RecordRanges | None = None) -> dict:
+              records: RecordRanges | None = None, pending: tuple[float, RecordRanges] | None = None) -> dict:
     offset: dict = {"v": OFFSET_VERSION, "batch": batch}
     if run is not None:
         offset["run"] = run
@@ -32,7 +34,18 @@ def offset_of(batch: int, run: str | None = None, exchange: str | None = None,
         offset["exchange"] = exchange
     if records is not None:
         offset["records"] = records.encode()
+    if pending is not None:
+        offset["pending"] = {"since": round(pending[0], 3), "records": pending[1].encode()}
     return offset
+
+
+def pending_of(offset: dict | None) -> tuple[float, RecordRanges] | None:
+    """Records of batches Spark committed before this one that had not come back to the run that planned it
+    (it may not have acknowledged them), and since when: (since, records), or None."""
+    p = offset.get("pending") if isinstance(offset, dict) else None
+    if not isinstance(p, dict) or "records" not in p:
+        return None
+    return float(p.get("since", 0.0)), RecordRanges.decode(p["records"])
 
 
 def records_of(offset: dict | None) -> RecordRanges | None:
@@ -72,6 +85,6 @@ def reported(text: str | None) -> tuple[int, str | None, str | None] | None:
     offset = from_progress(text)
     if not isinstance(offset, dict) or offset.get("v") != OFFSET_VERSION or not isinstance(offset.get("batch"), int):
         return None
-    if not set(offset) <= {"v", "batch", "run", "exchange", "records"}:
+    if not set(offset) <= {"v", "batch", "run", "exchange", "records", "pending"}:
         return None
     return offset["batch"], offset.get("run"), offset.get("exchange")

@@ -26,7 +26,7 @@ from .consumers import records
 from .driver.batches import PLANNED
 from .errors import SourceError
 from .executor import read_task
-from .offsets import INITIAL, batch_of, offset_of, records_of
+from .offsets import INITIAL, batch_of, offset_of, pending_of, records_of
 from .options import ShareSourceOptions, scrub
 from .partitions import RowsPartition, SharePartition
 from .spark_versions import ReadAllAvailable, ReadMaxRows, SupportsTriggerAvailableNow, max_rows
@@ -114,7 +114,8 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             # readMode=driver acquires the batch here, so that the offset Spark writes next names its records:
             # a replay of this batch id gets them again.
             acquired = self._driver_reads.acquire(t, b)
-        return offset_of(last + 1, t.tracker_id, self.opts.exchange_location, acquired)
+        pending = self._driver_reads.pending(t) if self._driver_reads is not None else None
+        return offset_of(last + 1, t.tracker_id, self.opts.exchange_location, acquired, pending)
 
     def _note_committed(self, offset: dict) -> None:
         """``offset`` ends a batch Spark committed: if an earlier run planned it (readMode=driver), its records
@@ -134,6 +135,9 @@ class ShareStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         committed = records_of(offset)
         if committed:
             self._driver_reads.committed(committed)
+        pending = pending_of(offset)  # earlier batches' records that had not come back to that run
+        if pending is not None:
+            self._driver_reads.committed(pending[1], since=pending[0])
 
     def reportLatestOffset(self):
         return self._tracker.progress() if self._tracker is not None else None

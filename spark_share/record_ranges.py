@@ -211,6 +211,11 @@ class RecordSorter:
         self._lock = threading.Lock()
         self.committed = RecordRanges()
         self._kept = RecordRanges()  # committed for good: an earlier run's batches, ACCEPTs that failed
+        # An earlier run's committed records (from offsets), since when the first run that noted them did, and
+        # those of them that came back here: the rest may still come back to a later run (``pending``).
+        self._earlier = RecordRanges()
+        self._earlier_since: float | None = None
+        self._returned = RecordRanges()
         self._accepting: dict[int, RecordRanges] = {}  # batch -> its records whose ACCEPT is on its way
         self.replays: dict[int, RecordRanges] = {}
         self._missing: dict[int, int] = {}  # replayed batch -> how many of its records no poll brought yet
@@ -222,11 +227,26 @@ class RecordSorter:
     def active(self) -> bool:
         return bool(self.committed) or bool(self.replays)
 
-    def commit(self, ranges: RecordRanges) -> None:
-        """Records of a batch Spark committed (an earlier run's: it may not have acknowledged them)."""
+    def commit(self, ranges: RecordRanges, since: float | None = None) -> None:
+        """Records of a batch Spark committed (an earlier run's: it may not have acknowledged them), pending
+        since ``since`` (time.time(); now if not given)."""
         with self._lock:
             self._kept = self._kept.union(ranges)
+            self._earlier = self._earlier.union(ranges)
+            since = time.time() if since is None else since
+            self._earlier_since = since if self._earlier_since is None else min(self._earlier_since, since)
             self._update()
+
+    def pending(self, horizon_s: float) -> tuple[float, RecordRanges] | None:
+        """(since when, the records) of an earlier run's committed batches that have not come back to this run,
+        for the next batch's offset: a later run that starts from it ACCEPTs them too (on Spark 4.1 a run ends
+        with its batch, so records that come back after it would otherwise reach a later batch). None once
+        ``horizon_s`` passed since they became pending (by then they came back, or were acknowledged)."""
+        with self._lock:
+            if self._earlier_since is None or time.time() - self._earlier_since > horizon_s:
+                return None
+            left = self._earlier.minus(self._returned)
+            return (self._earlier_since, left) if left else None
 
     def accepting(self, batch: int, ranges: RecordRanges) -> None:
         """Batch ``batch`` is committed and its ACCEPTs are about to be sent: a record of it that comes back (its
@@ -295,8 +315,16 @@ class RecordSorter:
                 mine[at] = wanted.mask(topic, p, offsets[at])
         mine &= ~done
         later = ~mine & ~done
+        back = None
+        if done.any() and self._earlier:
+            runs: dict[Partition, list] = {}
+            for i in np.flatnonzero(done).tolist():
+                runs.setdefault((topic_of[int(codes[i])], int(parts[i])), []).append((int(offsets[i]), int(offsets[i])))
+            back = RecordRanges(runs)
         with self._lock:
             self.accepted_again += int(done.sum())
+            if back is not None:
+                self._returned = self._returned.union(back)
             if batch in self._missing and mine.any():
                 self._missing[batch] -= int(mine.sum())
                 self._holding_since.setdefault(batch, time.monotonic())

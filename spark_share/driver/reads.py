@@ -82,10 +82,20 @@ class DriverReads:
         parts = self._planned.pop(b.batch, None)
         return parts if parts is not None else self._read(b.batch, tracker.slot_budgets(b), self._opts.poll_timeout_ms)
 
-    def committed(self, ranges: RecordRanges) -> None:
+    def committed(self, ranges: RecordRanges, since: float | None = None) -> None:
         """Records of a batch Spark committed that an earlier run may not have acknowledged: ACCEPTed when the
         broker delivers them again, never handed out."""
-        self.sorter.commit(ranges)
+        self.sorter.commit(ranges, since)
+
+    def pending(self, tracker) -> tuple[float, RecordRanges] | None:
+        """Those of them that have not come back, for the next batch's offset, until a lost run's members
+        have left and its locks and ours have expired: by then they came back, or were acknowledged."""
+        lock_ms = int(tracker.policy.lock_ms)
+        pending = self.sorter.pending((max(tracker.session_ms or 0, lock_ms) + lock_ms + REPLAY_JOIN_MS) / 1000)
+        if pending is not None:
+            log.info("%d records of batches Spark committed before have not come back to this run: the next offset "
+                     "names them, so a later run ACCEPTs them too (%s)", len(pending[1]), pending[1].described())
+        return pending
 
     def replay(self, tracker, batch: int, wanted: RecordRanges, run: str | None = None) -> list[RowsPartition]:
         """Batch ``batch`` of an earlier run, read again: each slot's poll hands out only the records ``wanted``

@@ -152,3 +152,36 @@ def test_a_batch_being_accepted_is_committed_until_the_broker_took_it_and_for_go
     clean.accepting(1, RecordRanges({("t", 0): [(0, 5)]}))
     clean.accepted(1, refused=False)
     assert not clean.active and clean.sort(3, poll) == (poll, [], [])
+
+
+def test_committed_records_that_have_not_come_back_go_forward_in_the_next_offset_until_the_horizon(monkeypatch):
+    import spark_share.record_ranges as rr
+    from spark_share.offsets import pending_of
+
+    now = [1000.0]
+    monkeypatch.setattr(rr.time, "time", lambda: now[0])
+    s = RecordSorter()
+    assert s.pending(60) is None
+    s.commit(RecordRanges({("t", 0): [[0, 99]], ("t", 1): [[0, 49]]}))  # an earlier run's batch, from its offset
+    mine, done, later = s.sort(1, [Msg("t", 0, o) for o in range(100)] + [Msg("t", 0, 100)])
+    assert len(done) == 100 and [m.offset() for m in mine] == [100]
+    since, left = s.pending(60)
+    assert since == 1000.0 and left == RecordRanges({("t", 1): [[0, 49]]}), "only what has not come back"
+
+    # The next run starts from that offset: it ACCEPTs them when they come back, and carries them on with
+    # the time they first became pending.
+    offset = json.loads(json.dumps(offset_of(1, "run-b", records=RecordRanges({("t", 0): [[100, 100]]}),
+                                             pending=s.pending(60))))
+    assert reported(json.dumps(offset)) == (1, "run-b", None)
+    nxt = RecordSorter()
+    got = pending_of(offset)
+    assert got is not None
+    since, ranges = got
+    nxt.commit(ranges, since)
+    _, done, _ = nxt.sort(2, [Msg("t", 1, 7)])
+    assert [m.offset() for m in done] == [7]
+    now[0] += 30
+    assert nxt.pending(60)[0] == 1000.0
+    now[0] += 31
+    assert nxt.pending(60) is None, "past the horizon they came back or were acknowledged"
+    assert pending_of(offset_of(3, "run-c")) is None

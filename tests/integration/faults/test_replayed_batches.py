@@ -263,3 +263,38 @@ def test_a_delta_table_written_with_application_transactions_gets_every_record_o
     written = DeltaTable(table).to_pyarrow_table().to_pylist()
     report = check_no_loss(w.ids, ids_of(written))
     assert report.duplicates == 0, report
+
+
+def test_committed_records_that_come_back_after_the_next_run_ended_are_never_emitted(kafka):
+    """Spark 4.1 runs a declarative pipeline's update as one batch and calls no ``commit()``: each run
+    acknowledges nothing, and the next one ACCEPTs the batch before it as its records come back. Records of
+    that batch that do not come back during the next run (its one poll filled with another partition's
+    records here; a consumer still joining in a pipeline) must still be ACCEPTed by the run after it, which
+    knows only the batch before its own."""
+    w = Workload(kafka, "pending", partitions=2)
+    w.produce(400)
+    group = kafka.group(gid())
+    end0, first = stopped_run(kafka, group, w.topic)  # Spark committed batch 0; nothing acknowledged it
+    assert sorted(first) == sorted(w.ids)
+    w.produce(200)  # 100 more on each partition, after batch 0's
+
+    one = reader_for(kafka, group, w.topic, numPartitions="1", maxRecordsPerTrigger="300")
+    try:
+        one.initialOffset()
+        end1 = one.latestOffset(end0, one.getDefaultReadLimit())  # one poll: a partition's 200 of batch 0, 100 new
+        second = read(one, end0, end1)
+    finally:
+        one.stop()  # Spark committed batch 1 too, and called no commit()
+    assert second and not set(second) & set(first)
+    later = set(w.ids) - set(first) - set(second)
+
+    reader = reader_for(kafka, group, w.topic)
+    try:
+        reader.initialOffset()
+        rest = drain(reader, end1, later)
+    finally:
+        reader.stop()
+    assert not set(rest) & set(first), f"{len(set(rest) & set(first))} records of the committed batch 0 were emitted"
+    assert not set(rest) & set(second), "records of the committed batch 1 were emitted"
+    assert check_no_loss(w.ids, first + second + rest).duplicates == 0
+    assert not drain_share_group(kafka, group, [w.topic], timeout=5), "records were left in the group"
