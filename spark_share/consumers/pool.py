@@ -227,6 +227,13 @@ class SessionPool:
             self.start(len(free), records, replay=True)
             log.info("%s: polls take up to %d records for a replayed batch", self.name, records)
 
+    def release_replay_extras(self) -> None:
+        """After a replay's reads: its sessions give back what they acquired beyond the batch, so that the next
+        batch finds them all free and carrying nothing, and replaces them at once (``_resize``)."""
+        with self._lock:
+            carrying = [s for s in self.sessions if s.replay and s.carrying]
+        wait_futures([s.release_carried() for s in carrying], timeout=35)
+
     def await_assignment(self, partitions: Iterable[tuple[str, int]], timeout_s: float) -> bool:
         """Wait, at most ``timeout_s``, until the sessions' assignments together cover ``partitions`` (a replayed
         batch's): each session polls once for a replay, and one whose poll brought records polls again only

@@ -126,6 +126,27 @@ def test_a_replay_gets_sessions_of_its_own_which_the_next_batch_replaces_once_th
     assert not s.replay and not any(x.replay for x in pool.sessions) and len(pool.sessions) == 2
 
 
+def test_after_a_replay_has_read_its_sessions_give_back_what_they_carry_and_are_replaced_together(monkeypatch):
+    from concurrent.futures import Future
+
+    pool, made = sized_pool(monkeypatch)
+    pool.fit(0, 1000)
+    carrier = pool.sessions[0]
+    carrier.carrying = 300  # acquired beyond the replayed batch
+
+    def release_carried():
+        carrier.carrying = 0
+        f = Future()
+        f.set_result(None)
+        return f
+
+    carrier.release_carried = release_carried
+    pool.release_replay_extras()
+    assert carrier.carrying == 0
+    s, _ = pool.reserve(1, 50)  # the next batch, under a cap: every replay session replaced at once
+    assert not s.replay and [m.closed for m in made[2:4]] == [True, True] and len(pool.sessions) == 2
+
+
 def test_a_prefetch_that_comes_while_the_sessions_join_polls_once_they_have():
     """The tracker plans the first batch while the agent's sessions are still joining: its polls
     start when they have joined, and the first reads take them."""
