@@ -50,6 +50,7 @@ class DriverReads:
         self._lock = threading.Lock()
         self._closing = threading.Event()  # set by close(): an agent still starting leaves, a replay's wait ends
         self._planned: dict[int, list[RowsPartition]] = {}  # acquired at latestOffset, until partitions() asks
+        self._pending_told = 0  # how many pending records the log last named
         # Known before the agent starts: a replayed batch's polls may begin as its sessions join.
         self.sorter = tracker.sorter = tracker.acks.sorter = RecordSorter()
         # Started on a thread of its own: its consumers join the group while Spark writes the first offsets.
@@ -92,7 +93,8 @@ class DriverReads:
         have left and its locks and ours have expired: by then they came back, or were acknowledged."""
         lock_ms = int(tracker.policy.lock_ms)
         pending = self.sorter.pending((max(tracker.session_ms or 0, lock_ms) + lock_ms + REPLAY_JOIN_MS) / 1000)
-        if pending is not None:
+        if pending is not None and len(pending[1]) != self._pending_told:  # once per change, not per batch
+            self._pending_told = len(pending[1])
             log.info("%d records of batches Spark committed before have not come back to this run: the next offset "
                      "names them, so a later run ACCEPTs them too (%s)", len(pending[1]), pending[1].described())
         return pending
