@@ -75,6 +75,7 @@ REPLAY_FETCH = {"fetch.min.bytes": "100000000", "fetch.wait.max.ms": "1000"}
 # How long a session holding records waits, as the agent stops, for the ones holding none to close first
 # (SessionPool.close_all): a close takes about 0.1 s, longer only while the broker cannot be reached.
 CLOSE_AFTER_S = 5.0
+TOO_OLD = "too old to be handed out within the record lock"  # why records are given back, as a rule
 
 
 class ShareSession:
@@ -327,7 +328,7 @@ class ShareSession:
             if not done and not (replaying and sorter is not None and sorter.waiting(batch)):
                 return msgs, good, later, drained, answered, acquired_at
 
-    def _release_carried(self, why: str = "too old to be handed out within the record lock") -> None:
+    def _release_carried(self, why: str = TOO_OLD) -> None:
         """Give back carried records too old to be handed out within their lock: released now, they
         are delivered again at once (left, they would expire, and come back later)."""
         carried, self._carried = self._carried, []
@@ -341,7 +342,7 @@ class ShareSession:
         return self._submit(lambda: self._release_carried("the replay's sessions are replaced"))
 
     def _release_old(self, msgs: list, acquired_at: float, what: str,
-                     why: str = "too old to be handed out within the record lock") -> None:
+                     why: str = TOO_OLD) -> None:
         from confluent_kafka import AcknowledgeType
 
         for m in msgs:
