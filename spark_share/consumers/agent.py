@@ -155,7 +155,8 @@ class Agent(AgentAcknowledgements):
         """A read task's read of (batch, slot) (``lent``: one another host's read lent to this agent at the
         members' cap, that many times; its rows go back through the tracker; ``join`` False: with no session
         free the slot reads nothing, as a replay's must: a member joining moves partitions under the sessions
-        that already polled, and those may not poll again)."""
+        that already polled, and those may not poll again; so do the batches after it while its sessions
+        carry records, ``SessionPool.may_join``)."""
         key = (batch, slot)
         while True:
             with self._lock:
@@ -190,7 +191,7 @@ class Agent(AgentAcknowledgements):
                 return self._read_nothing(batch, slot, spark_batch, query_id, key)
             session, polled = self.pool.reserve(batch, max_records)
             opened = False
-            if session is None and not join:
+            if session is None and not (join and self.pool.may_join(batch)):
                 return self._read_nothing(batch, slot, spark_batch, query_id, key)
             if session is None:
                 # No consumer is free here: the query's members are capped, so the tracker says whether a

@@ -7,7 +7,8 @@ the sessions the tracker says the query no longer needs here (the group's member
 
 Must never: hand a read a session that still holds records no acknowledgement has been queued for
 (``busy``), or one another read holds; open a session the tracker did not grant (``open``), or close
-one that holds or carries records (``trim``); keep a session that joined after ``close_all`` (the
+one that holds or carries records (``trim``); after a replayed batch, let a session join, leave or
+fetch while the replay's sessions are in place (``_replay_left``); keep a session that joined after ``close_all`` (the
 agent's shutdown can come while its first sessions join).
 """
 from __future__ import annotations
@@ -115,7 +116,7 @@ class SessionPool:
         with self._resize_lock:
             self._resize(max_records, batch)
             with self._lock:
-                fits = [s for s in self._prefetched if s not in self._reserved] + self._free(max_records)
+                fits = [s for s in self._prefetched if s not in self._reserved] + self._free(max_records, batch)
                 if not fits:
                     return None, None
                 s = min(fits, key=lambda s: (s not in self._prefetched, self._poll_order(s, batch)))
@@ -158,7 +159,7 @@ class SessionPool:
 
                 idle = sorted((s for s in self._free() if not s.carrying
                                and last(s)[0] < not_since_batch and now - last(s)[1] >= idle_s),
-                              key=lambda s: last(s)[1])[:at_most]
+                              key=lambda s: last(s)[1])[:at_most] if not self._replay_left() else []
                 for s in idle:
                     self.sessions.remove(s)
                     self._last_taken.pop(s.session_id, None)
@@ -195,12 +196,16 @@ class SessionPool:
             # A session carrying records (acquired beyond a batch's size) keeps its size until it has
             # handed them out: closing it would release them, and every release counts as a delivery.
             free = [s for s in self._free() if not s.carrying]
-            shrink = max_records is not None and any(s.max_poll_records > want for s in free)  # None: no cap
-            grow = len(free) == len(self.sessions) and any(s.max_poll_records < want for s in free)
-            # Made for a replayed batch: their fetches wait, which only a replay wants (replaced as growing is).
-            replayed = batch > self._replay_batch and len(free) == len(self.sessions) and any(s.replay for s in free)
-            if not (shrink or grow or replayed):
-                return
+            if any(s.replay for s in self.sessions):
+                # Made for a replayed batch (their fetches wait, which only a replay wants): kept while it reads
+                # and while they hand out what it acquired beyond it (_replay_left), then replaced all at once.
+                if batch <= self._replay_batch or len(free) != len(self.sessions):
+                    return
+            else:
+                shrink = max_records is not None and any(s.max_poll_records > want for s in free)  # None: no cap
+                grow = len(free) == len(self.sessions) and any(s.max_poll_records < want for s in free)
+                if not (shrink or grow):
+                    return
             for s in free:
                 self.sessions.remove(s)
                 self._last_taken.pop(s.session_id, None)
@@ -213,7 +218,9 @@ class SessionPool:
         session again only once its last poll is acknowledged, so each session gets one poll of the batch,
         and a broker may hand one member all of its records), and fetches that wait for every partition
         (``session.REPLAY_FETCH``). Only while no session holds or carries records (a replay is a run's first
-        batch); the next batch that finds them free and carrying nothing replaces them again (``_resize``)."""
+        batch). What their polls acquire beyond the batch they carry: the next batches take it from them first
+        (``_replay_left``), and the first that finds them free and carrying nothing replaces them all
+        (``_resize``)."""
         with self._resize_lock:
             self._replay_batch = batch
             with self._lock:
@@ -226,13 +233,6 @@ class SessionPool:
             wait_futures([s.close() for s in free], timeout=30)
             self.start(len(free), records, replay=True)
             log.info("%s: polls take up to %d records for a replayed batch", self.name, records)
-
-    def release_replay_extras(self) -> None:
-        """After a replay's reads: its sessions give back what they acquired beyond the batch, so that the next
-        batch finds them all free and carrying nothing, and replaces them at once (``_resize``)."""
-        with self._lock:
-            carrying = [s for s in self.sessions if s.replay and s.carrying]
-        wait_futures([s.release_carried() for s in carrying], timeout=35)
 
     def await_assignment(self, partitions: Iterable[tuple[str, int]], timeout_s: float) -> bool:
         """Wait, at most ``timeout_s``, until the sessions' assignments together cover ``partitions`` (a replayed
@@ -266,17 +266,35 @@ class SessionPool:
             if not self._joined:  # the tracker planned the batch while the sessions join: poll once they have
                 self._pending_prefetch = (batch, count, max_records, poll_timeout_ms, carry_ms)
                 return 0
-            chosen = sorted(self._free(max_records), key=lambda s: self._poll_order(s, batch))[:count]
+            chosen = sorted(self._free(max_records, batch), key=lambda s: self._poll_order(s, batch))[:count]
             for s in chosen:
                 self._prefetched[s] = s.poll(batch, -1, max_records, poll_budget(s, poll_timeout_ms), carry_ms)
                 self._last_taken[s.session_id] = (batch, time.monotonic())
         return len(chosen)
 
-    def _free(self, max_records: int | None = None) -> list:
+    def _free(self, max_records: int | None = None, batch: int | None = None) -> list:
         """Sessions no read holds, with no poll started ahead and nothing awaiting an acknowledgement
-        (polls no bigger than ``max_records``, if given). Call with ``_lock`` held."""
-        return [s for s in self.sessions if s not in self._reserved and not s.busy and s not in self._prefetched
+        (polls no bigger than ``max_records``, if given; for a read of ``batch``, if given, after a replay
+        only those handing out what the replay acquired beyond its batch). Call with ``_lock`` held."""
+        free = [s for s in self.sessions if s not in self._reserved and not s.busy and s not in self._prefetched
                 and (max_records is None or s.max_poll_records <= max_records or s.carrying)]
+        if batch is not None and self._replay_left(batch):
+            free = [s for s in free if s.carrying]  # a replay's polls (the lock budget) are its batch's alone
+        return free
+
+    def _replay_left(self, batch: int | None = None) -> bool:
+        """After a replayed batch (any batch, if None), while its sessions are still in place: they hand out
+        what its polls acquired beyond it to the next batches, and no session joins, leaves or fetches until
+        all are free and none carries; then all of them are replaced at once (``_resize``). A member joining
+        or leaving makes the group rebalance: on the embedded broker the other members' share sessions end,
+        and what they hold or carry would be delivered again; on Kafka partitions move under them. Call with
+        ``_lock`` held."""
+        return (batch is None or batch > self._replay_batch) and any(s.replay for s in self.sessions)
+
+    def may_join(self, batch: int) -> bool:
+        """Whether a read of ``batch`` that found no session free may ask for a new member."""
+        with self._lock:
+            return not self._replay_left(batch)
 
     def _poll_order(self, session, batch: int) -> tuple[bool, bool, float]:
         """Not yet polled in this batch first; among those, one carrying records (its poll hands them

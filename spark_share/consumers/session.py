@@ -75,7 +75,6 @@ REPLAY_FETCH = {"fetch.min.bytes": "100000000", "fetch.wait.max.ms": "1000"}
 # How long a session holding records waits, as the agent stops, for the ones holding none to close first
 # (SessionPool.close_all): a close takes about 0.1 s, longer only while the broker cannot be reached.
 CLOSE_AFTER_S = 5.0
-TOO_OLD = "too old to be handed out within the record lock"  # why records are given back, as a rule
 
 
 class ShareSession:
@@ -328,21 +327,14 @@ class ShareSession:
             if not done and not (replaying and sorter is not None and sorter.waiting(batch)):
                 return msgs, good, later, drained, answered, acquired_at
 
-    def _release_carried(self, why: str = TOO_OLD) -> None:
+    def _release_carried(self) -> None:
         """Give back carried records too old to be handed out within their lock: released now, they
         are delivered again at once (left, they would expire, and come back later)."""
         carried, self._carried = self._carried, []
         if carried:
-            self._release_old(carried, self._carried_at, "a poll acquired beyond its batch", why)
+            self._release_old(carried, self._carried_at, "a poll acquired beyond its batch")
 
-    def release_carried(self) -> Future:
-        """Give back what a replay's poll acquired beyond its batch (a delivery each): the replay's sessions
-        are replaced at the next batch, all at once, which they cannot be while one carries records (a
-        member joining while another holds records ends its share session on the embedded broker)."""
-        return self._submit(lambda: self._release_carried("the replay's sessions are replaced"))
-
-    def _release_old(self, msgs: list, acquired_at: float, what: str,
-                     why: str = TOO_OLD) -> None:
+    def _release_old(self, msgs: list, acquired_at: float, what: str) -> None:
         from confluent_kafka import AcknowledgeType
 
         for m in msgs:
@@ -350,8 +342,8 @@ class ShareSession:
         res = self.consumer.commit_sync(30.0)  # a lock already expired: INVALID_RECORD_STATE, and it is free anyway
         bad = {f"{tp.topic}-{tp.partition}": str(e) for tp, e in (res or {}).items() if e is not None}
         self.released_old += len(msgs)
-        log.info("session %s: released %d records %s, %.1f s ago: %s%s", self.session_id, len(msgs), what,
-                 time.time() - acquired_at, why, f" (failed for {bad})" if bad else "")
+        log.info("session %s: released %d records %s, %.1f s ago: too old to be handed out within the record "
+                 "lock%s", self.session_id, len(msgs), what, time.time() - acquired_at, f" (failed for {bad})" if bad else "")
 
     def _received_at(self, handed: int) -> float:
         """When the ``handed`` records of the poll that just returned can have been acquired at the earliest

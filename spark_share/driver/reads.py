@@ -137,7 +137,6 @@ class DriverReads:
             pool.fit(b.batch, max(len(wanted), tracker.policy.lock_budget))
             pool.await_assignment(wanted.runs, ASSIGNMENT_WAIT_S)
             parts = self._read(b.batch, tracker.slot_budgets(b), wait_ms, join=False)
-            pool.release_replay_extras()
         finally:
             sorter.replayed(batch)
         tracker.replayed(b, wanted)

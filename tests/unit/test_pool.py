@@ -126,25 +126,29 @@ def test_a_replay_gets_sessions_of_its_own_which_the_next_batch_replaces_once_th
     assert not s.replay and not any(x.replay for x in pool.sessions) and len(pool.sessions) == 2
 
 
-def test_after_a_replay_has_read_its_sessions_give_back_what_they_carry_and_are_replaced_together(monkeypatch):
-    from concurrent.futures import Future
-
+def test_after_a_replay_its_sessions_hand_out_what_they_carry_before_any_session_joins_leaves_or_fetches(monkeypatch):
+    """What a replay's polls (the lock budget) acquired beyond its batch goes to the next batches, not back to
+    the broker (a delivery each). Meanwhile nothing joins or leaves (on the embedded broker that ends the
+    share session of one holding records: the failure CI runs caught when a capped batch shrank the other
+    session) and the replay's other session does not fetch (its polls are the lock budget)."""
     pool, made = sized_pool(monkeypatch)
     pool.fit(0, 1000)
-    carrier = pool.sessions[0]
+    carrier, other = pool.sessions
     carrier.carrying = 300  # acquired beyond the replayed batch
-
-    def release_carried():
-        carrier.carrying = 0
-        f = Future()
-        f.set_result(None)
-        return f
-
-    carrier.release_carried = release_carried
-    pool.release_replay_extras()
-    assert carrier.carrying == 0
-    s, _ = pool.reserve(1, 50)  # the next batch, under a cap: every replay session replaced at once
+    s, _ = pool.reserve(1, 50)  # the next batch, under a cap
+    assert s is carrier and len(made) == 4 and not any(m.closed for m in made[2:4]), "nothing replaced while one carries"
+    assert pool.reserve(1, 50) == (None, None), "the replay's other session fetches nothing"
+    assert not pool.may_join(1) and pool.may_join(0)
+    assert pool.trim(not_since_batch=5, idle_s=0) == 0 and not other.closed, "nor does one leave"
+    assert pool.prefetch(1, 2, 50, 100) == 0  # none free: the carrier is reserved, the other may not fetch
+    carrier.carrying, carrier.busy = 0, True  # handed out, and held by batch 1 (the CI case: it held them)
+    pool.give_back(carrier)
+    assert pool.reserve(1, 50) == (None, None) and not pool.may_join(1) and len(made) == 4, (
+        "nothing joins while a replay session holds what it handed out")
+    carrier.busy = False  # batch 1 acknowledged
+    s, _ = pool.reserve(2, 50)  # every replay session replaced at once
     assert not s.replay and [m.closed for m in made[2:4]] == [True, True] and len(pool.sessions) == 2
+    assert pool.may_join(2)
 
 
 def test_a_prefetch_that_comes_while_the_sessions_join_polls_once_they_have():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from spark_share.errors import SourceError
-from spark_share.offsets import offset_of, records_of, reported
+from spark_share.offsets import offset_of, pending_of, records_of, reported
 from spark_share.record_ranges import RecordRanges, RecordSorter
 
 
@@ -71,6 +71,18 @@ def test_the_offsets_records_stay_small(partitions, runs, bound):
     print(f"{partitions} partitions x {runs} runs: {len(text)} bytes")
     assert len(text) <= bound
     assert RecordRanges.decode(json.loads(text)["records"]) == r
+
+
+@pytest.mark.parametrize("partitions, bound", [(8, 400), (2000, 36_000)])
+def test_an_offset_naming_pending_records_too_stays_within_twice_the_size(partitions, bound):
+    """Pending records (an earlier committed batch's that have not come back) are at most that batch's: an
+    offset naming its own records and those of the batch before is at most about twice one that names its own."""
+    mine = ranges_like_a_batch(partitions, runs_per_partition=1)
+    earlier = ranges_like_a_batch(partitions, seed=2, runs_per_partition=1)
+    text = json.dumps(offset_of(124, "0123456789abcdef", None, mine, pending=(1765100000.123, earlier)))
+    print(f"{partitions} partitions, with pending records: {len(text)} bytes")
+    assert len(text) <= bound
+    assert pending_of(json.loads(text)) == (1765100000.123, earlier)
 
 
 def test_membership_and_what_is_missing():
