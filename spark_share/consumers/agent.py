@@ -156,7 +156,7 @@ class Agent(AgentAcknowledgements):
         members' cap, that many times; its rows go back through the tracker; ``join`` False: with no session
         free the slot reads nothing, as a replay's must: a member joining moves partitions under the sessions
         that already polled, and those may not poll again; so do the batches after it while its sessions
-        carry records, ``SessionPool.may_join``)."""
+        are in place, ``SessionPool.may_join``)."""
         key = (batch, slot)
         while True:
             with self._lock:

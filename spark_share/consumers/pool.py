@@ -157,9 +157,10 @@ class SessionPool:
                 def last(s):
                     return self._last_taken.get(s.session_id, (-1, s.created_at))
 
-                idle = sorted((s for s in self._free() if not s.carrying
-                               and last(s)[0] < not_since_batch and now - last(s)[1] >= idle_s),
-                              key=lambda s: last(s)[1])[:at_most] if not self._replay_left() else []
+                idle = [] if self._replay_left() else sorted(
+                    (s for s in self._free() if not s.carrying
+                     and last(s)[0] < not_since_batch and now - last(s)[1] >= idle_s),
+                    key=lambda s: last(s)[1])[:at_most]
                 for s in idle:
                     self.sessions.remove(s)
                     self._last_taken.pop(s.session_id, None)

@@ -331,8 +331,7 @@ class ShareSession:
         """Give back carried records too old to be handed out within their lock: released now, they
         are delivered again at once (left, they would expire, and come back later)."""
         carried, self._carried = self._carried, []
-        if carried:
-            self._release_old(carried, self._carried_at, "a poll acquired beyond its batch")
+        self._release_old(carried, self._carried_at, "a poll acquired beyond its batch")
 
     def _release_old(self, msgs: list, acquired_at: float, what: str) -> None:
         from confluent_kafka import AcknowledgeType
