@@ -53,17 +53,25 @@ ERR_GROUP_MAX_SIZE_REACHED = 81  # the group is full (group.share.max.size): fat
 # on the session thread, as poll() does. At most about IDLE_SERVE_S * 1000 / STATS_INTERVAL_MS
 # statistics wait at any time.
 IDLE_SERVE_S = 1.0
-# A real broker gives a new member its partitions one heartbeat after it joins (Kafka's
+# A real broker may give a new member its partitions only one heartbeat after it joins (Kafka's
 # group.share.heartbeat.interval.ms: 5 s by default, at most group.share.max.heartbeat.interval.ms,
-# 15 s by default); librdkafka reports the member "init", not "steady", until then. A poll of a
+# 15 s by default; but see JOIN_NUDGES_S); librdkafka reports the member "init", not "steady", until then. A poll of a
 # consumer that was never steady goes on past its own timeout until it is, for at most this long after
 # the consumer was created: a first batch (of a Trigger.Once run, say) must not end empty before the
 # broker has handed out any partition. Only while no other consumer of the agent has held records for
 # longer than JOIN_GRACE_S: those wait for this poll's batch to end, and their lock (at least 15 s on
 # Kafka's default bounds) runs meanwhile. Consumers that joined together get their partitions one
-# heartbeat (5 s by default) of each other apart at most.
+# heartbeat (5 s by default) of each other apart at most (JOIN_NUDGES_S: far less on a new group).
 JOIN_WAIT_S = 20.0
 JOIN_GRACE_S = 8.0
+# A share group's partitions are set up (their share-group state) by the first heartbeat of a member that names
+# them, and handed out by a later one: the first members of a new group, or of a topic new to it, got theirs one
+# heartbeat after they joined. subscribe() to the same topics makes librdkafka send its next heartbeat at once
+# ("subscription changed"), and that one carries them: on Kafka 4.2, records 0.1-0.4 s after the join instead of
+# 5.1 s. A consumer librdkafka does not yet report with partitions subscribes again at these ages (s): a broker's
+# first share group waits for its share coordinator (3-6 s on Kafka 4.2). A member of a group whose partitions are
+# set up gets them with its first heartbeat, and reports them before the first of these.
+JOIN_NUDGES_S = (0.1, 0.3, 0.7, 1.5, 3.0, 6.0, 12.0)
 # A replayed batch's poll that brought none of its records polls again in slices of this long, so that it
 # ends soon after the other sessions' polls brought them all.
 REPLAY_SLICE_MS = 500
@@ -90,6 +98,8 @@ class ShareSession:
         self.session_id = session_id
         self.replay = replay  # polls for a replayed batch (REPLAY_FETCH): replaced once it holds nothing
         self.include_headers = include_headers
+        self._topics = list(topics)
+        self._nudges = 0  # the JOIN_NUDGES_S sent (all of them once the consumer has partitions)
         self._only_topic = topics[0] if len(topics) == 1 else None
         self.holding: Holding | None = None
         self._carried: list = []  # acquired by the last poll beyond its batch's size: the next poll's records
@@ -122,7 +132,7 @@ class ShareSession:
         client_conf["logger"] = KAFKA_LOG  # librdkafka's lines in the agent's log, rotated with it (not raw stderr)
         self.consumer = ShareConsumer(client_conf)
         try:
-            self.consumer.subscribe(list(topics))
+            self.consumer.subscribe(self._topics)
         except Exception:
             self.consumer.close()
             raise
@@ -241,11 +251,23 @@ class ShareSession:
             self._serve_idle()  # statistics reach _on_stats only when the queue is served
             if self._fetch_stats.state(self.created_at) is not None:
                 return True
+            self._nudge_join()
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
             # Statistics come every STATS_INTERVAL_MS; librdkafka offers nothing to wait on for them.
             time.sleep(min(left, POLL_SLICE_S))
+
+    def _nudge_join(self) -> None:
+        """Subscribe again at the next of JOIN_NUDGES_S while the consumer has no partitions yet."""
+        if self._nudges >= len(JOIN_NUDGES_S) or time.monotonic() - self.created_at < JOIN_NUDGES_S[self._nudges]:
+            return
+        state = self._fetch_stats.state(self.created_at)
+        if state is not None and state.assigned:
+            self._nudges = len(JOIN_NUDGES_S)
+            return
+        self._nudges += 1
+        self.consumer.subscribe(self._topics)
 
     def _poll(self, batch: int, slot: int, max_records: int | None, timeout_ms: int,
               carry_ms: float | None = None, more: Callable[[int], int] | None = None) -> tuple[Any, Holding]:
@@ -384,7 +406,9 @@ class ShareSession:
                 continue
             now = time.monotonic()
             if msgs:
+                self._nudges = len(JOIN_NUDGES_S)
                 return msgs, None
+            self._nudge_join()
             if now >= deadline and (now >= deadline + self._answer_wait_s if self._fetch_stats.steady
                                     else now >= joined_by or self._held_elsewhere(self) > JOIN_GRACE_S):
                 return msgs, None

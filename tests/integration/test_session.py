@@ -51,6 +51,41 @@ def test_polls_end_when_a_fetch_comes_back_empty_and_not_while_one_is_on_its_way
         full.close().result(timeout=30)
 
 
+def test_the_first_members_of_a_new_group_get_their_partitions_long_before_its_second_heartbeat(kafka, produce):
+    """Kafka sets a new group's partitions up at its first members' first heartbeat and hands them out at a
+    later one: one heartbeat interval after the join (here the longest a group may have by default, 15 s).
+    The sessions subscribe again while they have no partitions, which sends that heartbeat at once: both
+    get their partitions, and records, within a third of the interval. (The embedded broker assigns at the
+    join, and may give the first member every record.)"""
+    kafka.set_heartbeat_interval(15_000)
+    # A broker's first share group waits for the share coordinator too: not what this test measures.
+    warm_conf = {**kafka.client(), "share.acknowledgement.mode": "explicit", "group.id": kafka.group("warm")}
+    warm = ShareSession("t-warm", warm_conf, [kafka.create_topic("warm", 1)], False)
+    try:
+        _poll_until_assigned(warm)
+    finally:
+        warm.close().result(timeout=30)
+    topic, group = kafka.create_topic("new-group", 4), kafka.group("new-group")
+    produce(kafka, topic, 400)
+    conf = {**kafka.client(), "share.acknowledgement.mode": "explicit", "group.id": group}
+    sessions = [ShareSession(f"t-new-{i}", conf, [topic], False) for i in range(2)]
+    try:
+        polls = [s.poll(0, i, None, 5_000) for i, s in enumerate(sessions)]
+        got = 0
+        for s, poll in zip(sessions, polls):
+            rb, _ = poll.result(timeout=90)
+            took = time.monotonic() - s.created_at
+            print(f"{s.session_id}: {rb.num_rows} records {took:.1f} s after it joined, partitions {sorted(s.assigned())}")
+            assert (rb.num_rows or s.assigned()) and took < 5.0, \
+                f"{s.session_id}: {rb.num_rows} records and no partition {took:.1f} s after joining"
+            got += rb.num_rows
+            if rb.num_rows:
+                s.acknowledge({}, 30).result(timeout=60)
+        assert got
+    finally:
+        wait_futures([s.close() for s in sessions], timeout=60)
+
+
 def test_records_fetched_while_no_poll_ran_come_with_a_fresh_lock(kafka, produce):
     """After a poll that returned nothing, the client fetches on its own and keeps what comes for the next
     poll, while the broker's lock on it runs (a long processingTime trigger polls minutes apart). A poll

@@ -138,3 +138,44 @@ def test_a_partition_assigned_during_a_poll_is_not_answered_by_fetches_sent_for_
     f.on_stats(stats(12, [0, 1, 2, 3]))  # partitions 0 and 1 assigned meanwhile
     assert f.drained(started, base, assigned) == frozenset({("t", 2), ("t", 3)})
     assert f.drained(started, dict(base)) == frozenset({("t", p) for p in range(4)}), "without it: the old answer"
+
+
+def test_a_consumer_given_no_partitions_yet_subscribes_again_so_that_its_next_heartbeat_goes_at_once(fake_consumer):
+    """A new share group's first members get their partitions at their second heartbeat, one heartbeat
+    interval (5 s by default) after they join; a subscribe() to the same topics sends that heartbeat at once.
+    A consumer never reported with partitions does so at each of JOIN_NUDGES_S, on its own thread."""
+    s = session_mod.ShareSession("nudged", {"group.id": "g"}, ["t"], False, join_wait_s=2.0)
+    try:
+        rb, held = s.poll(0, 0, None, 0).result(timeout=10)  # goes on until the consumer is join_wait_s old
+        c = fake_consumer[0]
+        again = [t for n, t in c.calls[1:] if n == "subscribe"]
+        assert c.calls[0][0] == "subscribe" and rb.num_rows == 0
+        assert len(again) == sum(1 for age in session_mod.JOIN_NUDGES_S if age < 2.0) == 4, c.calls
+        assert set(again) == {"share-session-nudged"}
+    finally:
+        s.close().result(timeout=10)
+
+
+def test_a_consumer_with_partitions_does_not_subscribe_again(fake_consumer, monkeypatch):
+    """A member of a group whose partitions are set up gets them with its first heartbeat: once librdkafka's
+    statistics report it a steady member with partitions, it sends no extra heartbeat."""
+    import json
+    import time
+
+    def poll(self, timeout=-1):  # librdkafka serves its statistics inside poll()
+        self._call("poll")
+        self.conf["stats_cb"](json.dumps({
+            "ts": int(time.monotonic() * 1e6), "cgrp": {"join_state": "steady", "assignment_size": 1},
+            "brokers": {"b1": {"nodeid": 1, "req": {"ShareFetch": 1}}},
+            "topics": {"t": {"partitions": {"0": {"leader": 1, "desired": True}}}}}))
+        time.sleep(0.01)
+        return []
+    monkeypatch.setattr(FakeShareConsumer, "poll", poll)
+    s = session_mod.ShareSession("assigned", {"group.id": "g"}, ["t"], False, join_wait_s=2.0)
+    try:
+        wait_until(lambda: time.monotonic() - s.created_at > 0.5, timeout=10)
+        s.poll(0, 0, None, 600).result(timeout=10)  # past the first nudges' ages
+        c = fake_consumer[0]
+        assert c.count("poll") >= 2 and c.count("subscribe") == 1, c.calls
+    finally:
+        s.close().result(timeout=10)
