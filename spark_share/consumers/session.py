@@ -263,11 +263,15 @@ class ShareSession:
         if self._nudges >= len(JOIN_NUDGES_S) or time.monotonic() - self.created_at < JOIN_NUDGES_S[self._nudges]:
             return
         state = self._fetch_stats.state(self.created_at)
-        if state is not None and state.assigned:
+        if self._consumer_closed or (state is not None and state.assigned):
             self._nudges = len(JOIN_NUDGES_S)
             return
         self._nudges += 1
-        self.consumer.subscribe(self._topics)
+        try:
+            self.consumer.subscribe(self._topics)
+        except Exception as e:  # a consumer the broker refused: its poll says why
+            self._nudges = len(JOIN_NUDGES_S)
+            log.debug("session %s: subscribing again failed: %s", self.session_id, self._scrub(str(e)))
 
     def _poll(self, batch: int, slot: int, max_records: int | None, timeout_ms: int,
               carry_ms: float | None = None, more: Callable[[int], int] | None = None) -> tuple[Any, Holding]:
