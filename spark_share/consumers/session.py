@@ -68,11 +68,12 @@ JOIN_GRACE_S = 8.0
 # them, and handed out by a later one: the first members of a new group, or of a topic new to it, got theirs one
 # heartbeat after they joined. subscribe() to the same topics makes librdkafka send its next heartbeat at once
 # ("subscription changed"), and that one carries them: on Kafka 4.2, records 0.1-0.4 s after the join instead of
-# 5.1 s. A consumer librdkafka does not yet report with partitions subscribes again at these ages (s); after the
-# last, the broker's own heartbeat interval runs from it. Not later: a consumer left without partitions by other
-# members (the embedded broker gives each partition to one) learns of a change at its next heartbeat, which each of
-# these moves. A member of a group whose partitions are set up gets them with its first heartbeat, and reports
-# them before the first of these.
+# 5.1 s. A consumer librdkafka does not yet report with partitions subscribes again at these ages (s), while no
+# other consumer of its agent holds records; after the last, the broker's own heartbeat interval runs from it. Each
+# moves the consumer's next regular heartbeat, at which one left without partitions by other members (the embedded
+# broker gives each partition to one) learns of their leaving, while a batch may wait for it (JOIN_GRACE_S): so
+# none later, and none while records wait. A member of a group whose partitions are set up gets them with its first
+# heartbeat, and reports them before the first of these.
 JOIN_NUDGES_S = (0.1, 0.3, 0.7, 1.5, 3.0)
 # A replayed batch's poll that brought none of its records polls again in slices of this long, so that it
 # ends soon after the other sessions' polls brought them all.
@@ -267,6 +268,8 @@ class ShareSession:
         state = self._fetch_stats.state(self.created_at)
         if self._consumer_closed or (state is not None and state.assigned):
             self._nudges = len(JOIN_NUDGES_S)
+            return
+        if self._held_elsewhere(self) > 0:
             return
         self._nudges += 1
         try:

@@ -179,3 +179,15 @@ def test_a_consumer_with_partitions_does_not_subscribe_again(fake_consumer, monk
         assert c.count("poll") >= 2 and c.count("subscribe") == 1, c.calls
     finally:
         s.close().result(timeout=10)
+
+
+def test_a_consumer_without_partitions_sends_no_extra_heartbeat_while_another_consumer_holds_records(fake_consumer):
+    """Each extra heartbeat moves the consumer's next regular one, at which it learns that members holding the
+    partitions left; a batch whose records another consumer holds may be waiting for that."""
+    s = session_mod.ShareSession("waiting", {"group.id": "g"}, ["t"], False, join_wait_s=1.0,
+                                 held_elsewhere=lambda session: 0.5)
+    try:
+        s.poll(0, 0, None, 0).result(timeout=10)
+        assert fake_consumer[0].count("subscribe") == 1, fake_consumer[0].calls
+    finally:
+        s.close().result(timeout=10)
