@@ -263,10 +263,12 @@ class ShareSession:
 
     def _nudge_join(self) -> None:
         """Subscribe again at the next of JOIN_NUDGES_S while the consumer has no partitions yet."""
-        if self._nudges >= len(JOIN_NUDGES_S) or time.monotonic() - self.created_at < JOIN_NUDGES_S[self._nudges]:
+        age = time.monotonic() - self.created_at
+        if self._nudges >= len(JOIN_NUDGES_S) or age < JOIN_NUDGES_S[self._nudges]:
             return
         state = self._fetch_stats.state(self.created_at)
-        if self._consumer_closed or (state is not None and state.assigned):
+        # Past the last age (one skipped while records were held, say), the broker's own heartbeat: none later.
+        if self._consumer_closed or (state is not None and state.assigned) or age > JOIN_NUDGES_S[-1] + 1.0:
             self._nudges = len(JOIN_NUDGES_S)
             return
         if self._held_elsewhere(self) > 0:

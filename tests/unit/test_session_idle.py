@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import confluent_kafka
 import pytest
@@ -188,6 +189,20 @@ def test_a_consumer_without_partitions_sends_no_extra_heartbeat_while_another_co
                                  held_elsewhere=lambda session: 0.5)
     try:
         s.poll(0, 0, None, 0).result(timeout=10)
+        assert fake_consumer[0].count("subscribe") == 1, fake_consumer[0].calls
+    finally:
+        s.close().result(timeout=10)
+
+
+def test_no_extra_heartbeat_is_sent_late_once_the_records_held_elsewhere_are_acknowledged(fake_consumer):
+    """The nudges skipped while another consumer held records are not sent after JOIN_NUDGES_S's last age."""
+    held = {"s": 1.0}
+    s = session_mod.ShareSession("late", {"group.id": "g"}, ["t"], False, join_wait_s=session_mod.JOIN_NUDGES_S[-1] + 2.0,
+                                 held_elsewhere=lambda session: held["s"])
+    try:
+        wait_until(lambda: time.monotonic() - s.created_at > session_mod.JOIN_NUDGES_S[-1] + 1.2, timeout=20)
+        held["s"] = 0.0  # the other consumer's batch was acknowledged
+        s.poll(0, 0, None, 0).result(timeout=20)
         assert fake_consumer[0].count("subscribe") == 1, fake_consumer[0].calls
     finally:
         s.close().result(timeout=10)
