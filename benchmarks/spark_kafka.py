@@ -59,7 +59,8 @@ AFTER_FIRST_MBPS_AT_1KB = 150.0
 KAFKA_DEFAULT_LOCKS = 2000
 MAX_LOCKS_PROP = "group.share.max.partition.max.record.locks"  # the brokers' bound on a group's own setting
 # The Spark side's processes (bench_cpu's kinds): Spark's JVM; kafka-share's source runner and Python workers.
-SPARK_SIDE = ("JVM (Spark driver and executor)", "runner", "python workers", "agent")
+JVM, RUNNER, WORKERS = "JVM (Spark driver and executor)", "runner", "python workers"
+SPARK_SIDE = (JVM, RUNNER, WORKERS, "agent")
 # A full batch (budget x value size) above this is not run: its rows pass through a local[2] driver's 1 GB
 # heap as task payloads (readMode=driver), and Spark's source reads the backlog as one batch.
 MAX_BATCH_BYTES = 200 << 20
@@ -114,6 +115,7 @@ def kafka_share_run(spark, kafka, topic: str, n: int, budget: int, tmp: str) -> 
         "phases_ms": run.get("phases_ms"), "expired": run.get("expired"),
         "cpu_per_m": side_cpu_per_m(run["cpu_by_process"], SPARK_SIDE, n),
         "cpu_per_m_by_process": {k: v / n * 1e6 for k, v in run["cpu_by_process"].items() if k in SPARK_SIDE},
+        "steady_cpu_per_m_by_process": {k: v for k, v in run["steady_cpu_per_m_by_process"].items() if k in SPARK_SIDE},
         "broker_cpu_per_m": per_m(None if broker0 is None else broker1 - broker0, n)}
 
 
@@ -189,12 +191,18 @@ def summary(s: dict) -> dict:
            "spark_broker_cpu_per_m": _med(r["spark"]["broker_cpu_per_m"] for r in rs),
            "share_broker_cpu_per_m": _med(r["share"]["broker_cpu_per_m"] for r in rs),
            "held_ms": _med(r["share"]["held_ms"] for r in rs),
+           # After the first batch, per process: what readMode=driver puts on the driver host (the runner) and
+           # on the executors (Python workers), beside Spark's JVM (both, in local mode).
+           "steady_cpu_per_m": {kind: _med(r["share"].get("steady_cpu_per_m_by_process", {}).get(kind) for r in rs)
+                                for kind in (RUNNER, WORKERS, JVM)},
            "phases_ms": {k: round(med(r["share"]["phases_ms"][k] for r in rs if r["share"]["phases_ms"]))
                          for k in (rs[0]["share"]["phases_ms"] or {})}}
     row["of_spark"] = row["share_rps"] / row["spark_rps"]
     row["of_bound"] = row["after_first"] / row["bound_rps"] if row["after_first"] else None
     row["spark_mbps"], row["share_mbps"] = row["spark_rps"] * mb, row["share_rps"] * mb
     row["after_first_mbps"] = row["after_first"] * mb if row["after_first"] else None
+    runner = row["steady_cpu_per_m"][RUNNER]
+    row["driver_core_mbps"] = s["value_bytes"] / runner if runner else None  # MB/s of records one core of it carries
     return row
 
 
@@ -206,8 +214,9 @@ def table(rows: list[dict]) -> str:
     """The markdown table of docs/performance.md: one row per lock setting and value size."""
     lines = ["| record locks | value | Spark's `format(\"kafka\")` | kafka-share from start | ratio | kafka-share after "
              "the first batch | the bound (floor batch) | of the bound | first rows | CPU-s per million: Spark's / "
-             "kafka-share (broker: Spark's / kafka-share's) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "kafka-share (broker: Spark's / kafka-share's) | kafka-share after the first batch, CPU-s per million: "
+             "driver process / Python workers / Spark's JVM (one driver core carries) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         where = "group" if r["locks_on"] == "group" else "broker"
         lines.append(
@@ -216,8 +225,16 @@ def table(rows: list[dict]) -> str:
             f"| {_n(r['after_first'])}/s, {_n(r['after_first_mbps'], '.0f')} MB/s "
             f"| {_n(r['bound_rps'])}/s ({r['floor_batch_ms']:.0f} ms) | {_n(r['of_bound'], '.2f')} | {r['first_row_s']:.1f} s "
             f"| {r['spark_cpu_per_m']:.1f} / {r['share_cpu_per_m']:.1f} ({_n(r['spark_broker_cpu_per_m'], '.1f')} / "
-            f"{_n(r['share_broker_cpu_per_m'], '.1f')}) |")
+            f"{_n(r['share_broker_cpu_per_m'], '.1f')}) | {_by_process(r)} |")
     return "\n".join(lines) + "\n"
+
+
+def _by_process(r: dict) -> str:
+    cpu = r.get("steady_cpu_per_m") or {}
+    if cpu.get(RUNNER) is None:  # results of a run before this column
+        return "-"
+    return (f"{_n(cpu[RUNNER], '.1f')} / {_n(cpu[WORKERS], '.1f')} / {_n(cpu[JVM], '.1f')} "
+            f"({_n(r['driver_core_mbps'], '.0f')} MB/s)")
 
 
 def report(results: dict) -> list[dict]:
@@ -240,7 +257,8 @@ def report(results: dict) -> list[dict]:
         checks.append((f"{what}: first rows, s / heartbeat + 1 s", f"{r['first_row_s']:.1f} / {HEARTBEAT_S + 1:.0f}",
                        r["first_row_s"] / (HEARTBEAT_S + 1), 1.0, "<="))
         print(f"{what}: a record's lock, median ms of the full batches: held {_n(r['held_ms'])}, {r['phases_ms']}; "
-              f"CPU-s per million, Spark's source {r['spark_cpu_per_m']:.1f}, kafka-share {r['share_cpu_per_m']:.1f}")
+              f"CPU-s per million, Spark's source {r['spark_cpu_per_m']:.1f}, kafka-share {r['share_cpu_per_m']:.1f}; "
+              f"after the first batch, kafka-share's driver process / Python workers / Spark's JVM: {_by_process(r)}")
     print(f"\n{'target':<100} | {'figures':>19} | ratio | goal    | met")
     for what, figures, ratio, goal, how in checks:
         met = "" if goal is None else ("yes" if (ratio >= goal if how == ">=" else ratio <= goal) else "no")

@@ -9,6 +9,8 @@ but plain data (they are unpickled on executors).
 """
 from __future__ import annotations
 
+import pickle
+
 from pyspark.sql.datasource import InputPartition
 
 
@@ -37,9 +39,17 @@ class RowsPartition(InputPartition):
     """One Spark task of a ``readMode=driver`` batch: the rows themselves, as Arrow IPC. A task retry, a
     second action on the batch DataFrame or a lost executor gets these same rows from Spark."""
 
-    def __init__(self, batch: int, slot: int, piece: int, ipc: bytes):
+    def __init__(self, batch: int, slot: int, piece: int, ipc):
+        """``ipc``: bytes, or on the driver any buffer (the agent's cached ``pyarrow.Buffer``)."""
         super().__init__(None)
         self.batch, self.slot, self.piece, self.ipc = batch, slot, piece, ipc
+
+    def __reduce_ex__(self, protocol):
+        # PySpark pickles with protocol 5, which writes a buffer's memory straight into the pickle: the rows are
+        # not copied to bytes first (a copy of every byte read, the runner's biggest cost per byte). Read-only,
+        # so that they come back as bytes.
+        ipc = pickle.PickleBuffer(memoryview(self.ipc).toreadonly()) if protocol >= 5 else bytes(self.ipc)
+        return RowsPartition, (self.batch, self.slot, self.piece, ipc)
 
     def __repr__(self) -> str:
         return f"RowsPartition(batch={self.batch}, slot={self.slot}, piece={self.piece}, bytes={len(self.ipc)})"

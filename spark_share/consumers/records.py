@@ -204,20 +204,21 @@ def warm_up() -> None:
     to_record_batch([_Warm()], include_headers=True)
 
 
-def to_ipc(batch: pa.RecordBatch) -> pa.Buffer:
-    """The batch as an Arrow IPC stream, written once into a buffer of its exact size (a growing
-    stream buffer copies it again at every doubling, and a copy to bytes once more)."""
+def to_ipc(*batches: pa.RecordBatch) -> pa.Buffer:
+    """The batches (one schema, at least one batch) as one Arrow IPC stream, written once into a buffer of its
+    exact size (a growing stream buffer copies it again at every doubling, and a copy to bytes once more)."""
     size = pa.MockOutputStream()
-    _write_ipc(size, batch)
+    _write_ipc(size, batches)
     buf = pa.allocate_buffer(size.size())
-    _write_ipc(pa.FixedSizeBufferWriter(buf), batch)
+    _write_ipc(pa.FixedSizeBufferWriter(buf), batches)
     return buf
 
 
-def _write_ipc(sink, batch: pa.RecordBatch) -> None:
-    with pa.ipc.new_stream(sink, batch.schema) as w:
-        if batch.num_rows:
-            w.write_batch(batch)
+def _write_ipc(sink, batches: Sequence[pa.RecordBatch]) -> None:
+    with pa.ipc.new_stream(sink, batches[0].schema) as w:
+        for batch in batches:
+            if batch.num_rows:
+                w.write_batch(batch)
 
 
 def from_ipc(blob) -> list[pa.RecordBatch]:

@@ -172,18 +172,16 @@ class DriverReads:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _pieces(ipc) -> list[bytes]:
+def _pieces(ipc) -> list:
     """A slot's Arrow IPC (a pyarrow Buffer, or bytes when another agent's rows were relayed), in pieces of at
-    most PARTITION_BYTES (whole rows each; one piece if it fits)."""
+    most PARTITION_BYTES (whole rows each): the slot itself if it fits, else its rows cut into zero-copy slices,
+    each written once."""
     import pyarrow as pa
 
     ipc = ipc if isinstance(ipc, pa.Buffer) else pa.py_buffer(ipc)
     if ipc.size <= PARTITION_BYTES:
-        return [ipc.to_pybytes()]
-    batches = records.from_ipc(ipc)
-    rows = sum(b.num_rows for b in batches)
-    table = pa.Table.from_batches(batches)
+        return [ipc]
+    table = pa.Table.from_batches(records.from_ipc(ipc))
     n = -(-ipc.size // PARTITION_BYTES)
-    step = -(-rows // n)
-    return [records.to_ipc(table.slice(i, step).combine_chunks().to_batches()[0]).to_pybytes()
-            for i in range(0, rows, step)]
+    step = -(-table.num_rows // n)
+    return [records.to_ipc(*table.slice(i, step).to_batches()) for i in range(0, table.num_rows, step)]

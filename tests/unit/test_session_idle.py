@@ -206,3 +206,48 @@ def test_no_extra_heartbeat_is_sent_late_once_the_records_held_elsewhere_are_ack
         assert fake_consumer[0].count("subscribe") == 1, fake_consumer[0].calls
     finally:
         s.close().result(timeout=10)
+
+
+def _steady_with_a_partition(monkeypatch):
+    """The fake consumer as a steady member with one partition whose fetches bring nothing, and no fetch
+    answered since (so a poll cannot tell "nothing there" before its timeout)."""
+    import json
+
+    def poll(self, timeout=-1):
+        self._call("poll")
+        self.conf["stats_cb"](json.dumps({
+            "ts": int(time.monotonic() * 1e6), "cgrp": {"join_state": "steady", "assignment_size": 1},
+            "brokers": {"b1": {"nodeid": 1, "req": {"ShareFetch": 1}}},
+            "topics": {"t": {"partitions": {"0": {"leader": 1, "desired": True}}}}}))
+        time.sleep(min(timeout, 0.01))
+        return []
+    monkeypatch.setattr(FakeShareConsumer, "poll", poll)
+
+
+def test_an_empty_poll_ends_soon_after_another_consumer_brought_records_of_its_batch(fake_consumer, monkeypatch):
+    """A batch waits for every poll of it, its records locked meanwhile: a member whose partitions have nothing
+    stops waiting for the broker's empty answer (0.6-1 s on Kafka) once another brought the batch's records."""
+    _steady_with_a_partition(monkeypatch)
+    s = session_mod.ShareSession("sibling", {"group.id": "g"}, ["t"], False, join_wait_s=0,
+                                 held_elsewhere=lambda session, batch=None: 0.5 if batch == 7 else 0.0)
+    try:
+        t0 = time.monotonic()
+        rb, held = s.poll(7, 1, None, 5000).result(timeout=10)
+        took = time.monotonic() - t0
+        assert rb.num_rows == 0 and held.timed_out and not held.answered, held
+        assert took < 1.0, f"the poll waited {took:.2f} s while another consumer held its batch's records"
+    finally:
+        s.close().result(timeout=10)
+
+
+def test_an_empty_poll_waits_on_while_the_records_held_elsewhere_are_another_batchs(fake_consumer, monkeypatch):
+    """Records of the last batch, not yet acknowledged, say nothing of this batch's: its poll waits its time."""
+    _steady_with_a_partition(monkeypatch)
+    s = session_mod.ShareSession("other-batch", {"group.id": "g"}, ["t"], False, join_wait_s=0,
+                                 held_elsewhere=lambda session, batch=None: 0.5 if batch in (None, 6) else 0.0)
+    try:
+        t0 = time.monotonic()
+        rb, held = s.poll(7, 1, None, 600).result(timeout=10)
+        assert rb.num_rows == 0 and time.monotonic() - t0 >= 0.6
+    finally:
+        s.close().result(timeout=10)
