@@ -46,8 +46,7 @@ class RowsPartition(InputPartition):
 
     def __reduce_ex__(self, protocol):
         # PySpark pickles with protocol 5, which writes a buffer's memory straight into the pickle: the rows are
-        # not copied to bytes first (a copy of every byte read, the runner's biggest cost per byte). Read-only,
-        # so that they come back as bytes.
+        # not copied to bytes first (a copy of every byte read). Read-only, so that they come back as bytes.
         ipc = pickle.PickleBuffer(memoryview(self.ipc).toreadonly()) if protocol >= 5 else bytes(self.ipc)
         return RowsPartition, (self.batch, self.slot, self.piece, ipc)
 
