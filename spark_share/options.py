@@ -144,8 +144,7 @@ OPTIONS: tuple[Option, ...] = (
            "as Spark requires). Default: no bound beyond one poll per consumer"),
     Option("pollTimeoutMs", "poll_timeout_ms", "1000", duration_ms(0, 600_000),
            "the longest a read task waits for records. A poll returns as soon as records arrive, and an "
-           "empty one as soon as a fetch sent after it began came back empty, or 0.2 s after another consumer "
-           "brought records of the same batch; a consumer's very first poll "
+           "empty one as soon as a fetch sent after it began came back empty; a consumer's very first poll "
            "may wait until the consumer is 5 s old, for the group join"),
     Option("ackTimeoutMs", "ack_timeout_ms", "30000", duration_ms(100, 3_600_000),
            "how long the driver side waits for the broker to confirm a batch's acknowledgements"),

@@ -307,11 +307,10 @@ class SessionPool:
         self._reserved.add(session)
         self._last_taken[session.session_id] = (batch, time.monotonic())
 
-    def held_elsewhere(self, session: ShareSession, batch: int | None = None) -> float:
-        """For how long (s) a session other than ``session`` has held records (of ``batch``, if given: their lock
-        runs while the batch waits); 0 when none does."""
-        held = [h.acquired_at for s in list(self.sessions)
-                if s is not session and (h := s.holding) is not None and (batch is None or h.batch == batch)]
+    def held_elsewhere(self, session: ShareSession) -> float:
+        """For how long (s) a session other than ``session`` has held records (their lock runs while a
+        batch waits); 0 when none does."""
+        held = [s.holding.acquired_at for s in list(self.sessions) if s is not session and s.holding is not None]
         return time.time() - min(held) if held else 0.0
 
     def give_back(self, session: ShareSession) -> None:

@@ -39,13 +39,6 @@ log = logging.getLogger("spark_share.consumers.session")
 KAFKA_LOG = logging.getLogger("spark_share.kafka")  # librdkafka's own lines
 
 POLL_SLICE_S = 0.05  # how often an empty poll looks at the fetch state
-# An empty poll of a steady member ends this long after another consumer of the agent brought records of the same
-# batch, instead of waiting for the broker's empty answer (it holds an empty fetch for fetch.wait.max.ms, and the
-# answer shows in the next statistics: 0.6-1 s): that batch, its records locked, waits for this poll. Where some
-# partitions have nothing (a drain's last batches, keys that leave partitions idle) each batch waited that long.
-# A member with records answers within a few tens of ms of another; what comes after its poll ended is the next
-# batch's (SIBLING_WAIT_S far below any lock).
-SIBLING_WAIT_S = 0.2
 # A consumer not polled for max.poll.interval.ms (5 min by default: a long trigger, a session the
 # pool did not need) leaves the group; its next poll raises this once, and the poll after rejoins.
 ERR_MAX_POLL_EXCEEDED = -147
@@ -101,7 +94,7 @@ class ShareSession:
     def __init__(self, session_id: str, conf: dict[str, str], topics: list[str], include_headers: bool,
                  scrub: Callable[[str], str] = lambda s: s, idle_serve_s: float = IDLE_SERVE_S,
                  join_wait_s: float = JOIN_WAIT_S,
-                 held_elsewhere: Callable[..., float] = lambda session, batch=None: 0.0,
+                 held_elsewhere: Callable[[ShareSession], float] = lambda s: 0.0,
                  sorter: RecordSorter | None = None, replay: bool = False):
         from confluent_kafka import ShareConsumer
 
@@ -127,8 +120,7 @@ class ShareSession:
         self._fetch_stats = FetchStats()
         self._idle_serve_s = idle_serve_s
         self._join_wait_s = join_wait_s
-        # For how long another consumer of the agent has held records (of ``batch``, if given).
-        self._held_elsewhere = held_elsewhere
+        self._held_elsewhere = held_elsewhere  # for how long another consumer of the agent has held records
         self._sorter = sorter  # the run's committed and replayed records (record_ranges)
         self._idle_served_at = time.monotonic()  # the last time the idle session served librdkafka's queue
         self.idle_serves = 0
@@ -337,8 +329,7 @@ class ShareSession:
         replaying = sorter is not None and sorter.wanted(batch) is not None
         while True:
             left_ms = max(0, int((deadline - time.monotonic()) * 1000))
-            msgs, fetched = (self._fetch(min(left_ms, REPLAY_SLICE_MS)) if replaying  # waits for its own records
-                             else self._fetch(left_ms, batch))
+            msgs, fetched = self._fetch(min(left_ms, REPLAY_SLICE_MS) if replaying else left_ms)
             drained, answered = fetched is not None, fetched or frozenset()
             good = msgs
             if msgs and any(map(type(msgs[0]).error, msgs)):  # one C-level pass when, as nearly always, none has
@@ -396,10 +387,10 @@ class ShareSession:
         self._fetch_stats.mark(now, handed)
         return time.time() - (now - since if since is not None else 0.0)
 
-    def _fetch(self, timeout_ms: int, batch: int | None = None) -> tuple[list, frozenset | None]:
+    def _fetch(self, timeout_ms: int) -> tuple[list, frozenset | None]:
         """One poll of the broker: (its messages; for an empty answer that means the queue has nothing
         for this consumer now, rather than that time ran out, the partitions the broker answered for,
-        else None). For ``batch``, an empty one ends SIBLING_WAIT_S after another consumer brought its records."""
+        else None)."""
         self.polls += 1
         started = time.monotonic()
         deadline = started + timeout_ms / 1000.0
@@ -437,9 +428,6 @@ class ShareSession:
             answered = self._fetch_stats.drained(started, base, assigned_at_base)
             if answered is not None:
                 return msgs, answered
-            if (batch is not None and self._fetch_stats.steady
-                    and self._held_elsewhere(self, batch) >= SIBLING_WAIT_S):
-                return msgs, None
 
     def _acknowledge(self, verdicts, default: int, timeout_s: float) -> AckOutcome:
         h, self.holding = self.holding, None
